@@ -1,0 +1,175 @@
+"""Load a Hugging Face model directory (config.json + safetensors) into hybridjax Params.
+
+Tensors are read lazily, one at a time, through memory-mapped safetensors files, transformed
+by the rules of `conversion.names`, shape-checked, cast and placed on device, so peak host
+memory stays near one tensor beyond the loaded model. Every problem with the checkpoint
+(missing shard, missing / unexpected / mis-shaped tensors) is reported in one message.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
+
+from conversion.names import IGNORED_PREFIXES, KEPT_PREFIXES, Rule, rules_for
+from hybridjax.config import Config, load_config
+from hybridjax.params import FLOAT32_LEAVES, Params, is_shape, param_shapes
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its config; the message names the tensors."""
+
+
+def _shard_map(model_dir: Path) -> dict[str, Path]:
+    """tensor name -> the safetensors file holding it."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = {f: model_dir / f for f in set(weight_map.values())}
+        missing = sorted(f for f, p in files.items() if not p.is_file())
+        if missing:
+            raise CheckpointError(f"{model_dir}: shard(s) listed in {index.name} are missing: {', '.join(missing)}")
+        return {name: files[f] for name, f in weight_map.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{model_dir}: no *.safetensors files found")
+    out = {}
+    for f in files:
+        with safe_open(f, framework="numpy") as h:
+            out.update({k: f for k in h.keys()})
+    return out
+
+
+def read_hf_tensors(model_dir: str | Path) -> tuple[dict[str, Path], "TensorReader"]:
+    model_dir = Path(model_dir)
+    shards = _shard_map(model_dir)
+    return shards, TensorReader(shards)
+
+
+class TensorReader:
+    """Reads single tensors by name from a set of safetensors shards (memory-mapped)."""
+
+    def __init__(self, shards: dict[str, Path]):
+        self.shards = shards
+        self._stack = ExitStack()
+        self._handles: dict[Path, object] = {}
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def get(self, name: str) -> np.ndarray:
+        return self._handle(name).get_tensor(name)
+
+    def _handle(self, name: str):
+        path = self.shards[name]
+        if path not in self._handles:
+            self._handles[path] = self._stack.enter_context(safe_open(path, framework="numpy"))
+        return self._handles[path]
+
+    def close(self):
+        self._stack.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def text_root(names) -> str:
+    """'model.language_model.' for multimodal Qwen3.5 checkpoints, else 'model.'."""
+    return "model.language_model." if any(n.startswith("model.language_model.") for n in names) else "model."
+
+
+def has_fused_experts(names) -> bool:
+    return any(n.endswith("mlp.experts.gate_up_proj") for n in names)
+
+
+def path_str(path) -> str:
+    return ".".join(str(getattr(p, "name", getattr(p, "idx", getattr(p, "key", p)))) for p in path)
+
+
+def leaf_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
+    """Param leaf path -> expected shape."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=is_shape)
+    return {path_str(p): s for p, s in flat}
+
+
+def _check(rules: list[Rule], names: set[str], reader: TensorReader, cfg: Config) -> None:
+    expected = {n for r in rules for n in r.hf}
+    missing = sorted(expected - names)
+    unexpected = sorted(
+        n for n in names - expected if not n.startswith(IGNORED_PREFIXES + KEPT_PREFIXES)
+    )
+    if cfg.tie_word_embeddings and "lm_head.weight" in unexpected:
+        unexpected.remove("lm_head.weight")  # some tied checkpoints still store the copy
+    problems = []
+    if missing:
+        problems.append(f"missing tensors ({len(missing)}): {', '.join(missing[:20])}" + (" ..." if len(missing) > 20 else ""))
+    if unexpected:
+        problems.append(f"unexpected tensors ({len(unexpected)}): {', '.join(unexpected[:20])}" + (" ..." if len(unexpected) > 20 else ""))
+    if problems:
+        raise CheckpointError("checkpoint does not match config.json: " + "; ".join(problems))
+
+
+def iter_params(rules: list[Rule], reader: TensorReader, cfg: Config) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield (param path, numpy array) for every rule, shape-checked, one rule at a time."""
+    shapes = leaf_shapes(cfg)
+    bad = []
+    for rule in rules:
+        arrays = rule.to_params(*(reader.get(n) for n in rule.hf))
+        for path, arr in zip(rule.params, arrays):
+            if tuple(arr.shape) != shapes[path]:
+                src = ", ".join(f"{n} {reader.shape(n)}" for n in rule.hf[:2])
+                bad.append(f"{src} -> {path} has shape {tuple(arr.shape)}, expected {shapes[path]}")
+                continue
+            yield path, arr
+    if bad:
+        raise CheckpointError("mis-shaped tensors: " + "; ".join(bad))
+
+
+def assemble(cfg: Config, leaves: dict[str, jax.Array], extra: dict | None = None) -> Params:
+    """Params from a path -> array dict (the inverse of flattening with `path_str`)."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=is_shape)
+    return jax.tree_util.tree_unflatten(treedef, [leaves[path_str(p)] for p, _ in flat]).replace(extra=extra or {})
+
+
+def to_device(path: str, arr: np.ndarray, dtype) -> jax.Array:
+    target = jnp.float32 if path.rsplit(".", 1)[-1] in FLOAT32_LEAVES else dtype
+    if np.issubdtype(arr.dtype, np.floating) or arr.dtype.name == "bfloat16":
+        return jnp.asarray(arr, dtype=target)
+    return jnp.asarray(arr)
+
+
+def load_hf(model_dir: str | Path, dtype="float32") -> tuple[Config, Params]:
+    """Read an HF model directory into (Config, Params), casting weights to `dtype`.
+
+    The gate parameters (A_log, dt_bias) stay float32. `mtp.*` tensors are kept verbatim
+    in `params.extra`; vision-tower tensors of multimodal checkpoints are skipped.
+    """
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"model directory not found: {model_dir}")
+    cfg = load_config(model_dir)
+    dtype = jnp.dtype(dtype)
+    shards, reader = read_hf_tensors(model_dir)
+    names = set(shards)
+    rules = rules_for(cfg, text_root(names), has_fused_experts(names))
+    with reader:
+        _check(rules, names, reader, cfg)
+        leaves = {path: to_device(path, arr, dtype) for path, arr in iter_params(rules, reader, cfg)}
+        extra = {n: jnp.asarray(reader.get(n)) for n in sorted(names) if n.startswith(KEPT_PREFIXES)}
+    skipped = [n for n in names if n.startswith(IGNORED_PREFIXES)]
+    if skipped:
+        log.info("skipped %d non-text tensors (%s...)", len(skipped), IGNORED_PREFIXES[0])
+    return cfg, assemble(cfg, leaves, extra)

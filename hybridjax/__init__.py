@@ -1,0 +1,27 @@
+"""hybridjax: Qwen3.5 / Qwen3-Next hybrid models in JAX with pure-functional caches.
+
+    cfg, params = hybridjax.load_hf("path/to/hf_model_dir", dtype="float32")
+    cache = hybridjax.init_cache(cfg, batch_size=1, max_len=4096)
+    logits, cache = hybridjax.forward(params, tokens, cache, cfg)
+"""
+
+from hybridjax.cache import Cache, GDNState, KVState, init_cache, reserve
+from hybridjax.config import Config, ConfigError, config_from_dict, load_config
+from hybridjax.model import forward
+from hybridjax.params import Params, init_params
+
+__version__ = "0.1.0"
+
+
+def load_hf(model_dir, dtype="float32"):
+    """(Config, Params) from a Hugging Face model directory; see `conversion.hf.load_hf`."""
+    # The facade reaches down into conversion lazily; nothing below it imports conversion.
+    from conversion.hf import load_hf as _load_hf
+
+    return _load_hf(model_dir, dtype=dtype)
+
+
+__all__ = [
+    "Cache", "Config", "ConfigError", "GDNState", "KVState", "Params", "config_from_dict",
+    "forward", "init_cache", "init_params", "load_config", "load_hf", "reserve",
+]

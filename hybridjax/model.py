@@ -1,0 +1,59 @@
+"""The hybrid language model: `forward(params, tokens, cache, cfg) -> (logits, new_cache)`.
+
+No jit here and no sampling (those live in generate.py). `forward` runs any number of tokens
+from any cache position, for a batch whose rows may carry different numbers of real tokens
+(`token_counts`, right padding): a row's logits and state do not depend on its padding.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from hybridjax import ops
+from hybridjax.cache import Cache, reserve
+from hybridjax.config import Config
+from hybridjax.layers import decoder_layer
+from hybridjax.params import Params
+
+Array = jax.Array
+
+
+def forward(
+    params: Params,
+    tokens: Array,
+    cache: Cache,
+    cfg: Config,
+    *,
+    token_counts: Array | None = None,
+    implementation: str | None = None,
+) -> tuple[Array, Cache]:
+    """Run tokens [B, T] (int32) through the model from `cache`.
+
+    token_counts [B] (optional): real tokens per row, the rest right padding (default: all T).
+    Returns float32 logits [B, T, vocab] (rows past a row's count are meaningless) and the new
+    cache, whose `lengths` advanced by token_counts. The input cache is not modified.
+    Outside jit the KV buffers grow as needed; under jit the caller reserves room first
+    (`hybridjax.cache.reserve`), since shapes are fixed there.
+    """
+    tokens = jnp.asarray(tokens, jnp.int32)
+    if tokens.ndim != 2:
+        raise ValueError(f"forward: tokens must be int32 [B, T], got shape {tokens.shape}")
+    b, t = tokens.shape
+    if b != cache.batch_size:
+        raise ValueError(f"forward: tokens have {b} rows but the cache has {cache.batch_size}")
+    counts = jnp.full((b,), t, jnp.int32) if token_counts is None else jnp.asarray(token_counts, jnp.int32)
+    if not isinstance(cache.lengths, jax.core.Tracer):
+        cache = reserve(cache, t)
+
+    starts = cache.lengths
+    valid = jnp.arange(t)[None, :] < counts[:, None]  # [B, T]
+    x = params.embed[tokens]  # [B, T, D]
+    states = []
+    for layer, state in zip(params.layers, cache.layers):
+        x, state = decoder_layer(layer, x, state, starts, valid, cfg, implementation)
+        states.append(state)
+    x = ops.rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+    head = params.embed.T if params.lm_head is None else params.lm_head  # [D, vocab]
+    logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
+    return logits, cache.replace(layers=tuple(states), lengths=starts + counts)

@@ -1,0 +1,100 @@
+"""Numerical building blocks shared by the layers: norms, RoPE, causal conv, attention.
+
+Precision policy (declared once, here): norms, softmax, gates and all recurrent state are
+computed in float32; matmuls run in the parameter dtype. The delta rule itself is chosen in
+`pallas_kernels.gated_delta_rule` (reference / xla / pallas); `delta_rule` below is the one
+place the model reaches it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.gated_delta_rule import chunk_gated_delta_rule
+
+Array = jax.Array
+
+
+def rms_norm(x: Array, w: Array, eps: float) -> Array:
+    """Zero-centred RMSNorm: x / rms(x) * (1 + w), in float32, returned in x's dtype."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
+
+
+def gated_rms_norm(x: Array, gate: Array, w: Array, eps: float) -> Array:
+    """The GDN output norm: plain scale w (not 1 + w), then times silu(gate) in float32."""
+    xf = x.astype(jnp.float32)
+    y = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    y = (w * y).astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))
+    return y.astype(x.dtype)
+
+
+def rope_cos_sin(positions: Array, rotary_dim: int, theta: float) -> tuple[Array, Array]:
+    """cos, sin [B, T, rotary_dim] for integer positions [B, T] (NeoX layout: halves repeated).
+
+    The frequency denominator is rotary_dim, not head_dim (partial rotary).
+    """
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, rotary_dim/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
+    """Rotate the first rotary_dim features of x [B, T, H, Dh]; the rest pass through."""
+    rot = cos.shape[-1]
+    xr, xp = x[..., :rot].astype(jnp.float32), x[..., rot:]
+    half = rot // 2
+    rotated = jnp.concatenate([-xr[..., half:], xr[..., :half]], axis=-1)
+    c, s = cos[:, :, None, :], sin[:, :, None, :]  # broadcast over heads
+    out = (xr * c + rotated * s).astype(x.dtype)
+    return jnp.concatenate([out, xp], axis=-1)
+
+
+def causal_conv(x: Array, state: Array, w: Array, counts: Array) -> tuple[Array, Array]:
+    """Depthwise causal conv over time with a carried state, then SiLU.
+
+    x [B, T, C] (float32), state [B, W-1, C]: the last W-1 inputs before x; w [W, C], row W-1
+    multiplies the current token. counts [B]: valid tokens per row (the rest is right padding),
+    so the new state is taken at each row's true end, not at T.
+    Returns (silu(conv) [B, T, C], new_state [B, W-1, C]).
+    """
+    width, t = w.shape[0], x.shape[1]
+    full = jnp.concatenate([state, x], axis=1)  # [B, W-1+T, C]
+    y = sum(full[:, i : i + t] * w[i] for i in range(width))
+    # Built by slicing a fresh concatenation, never by shifting the state in place (an XLA:CPU trap).
+    new_state = jax.vmap(lambda f, n: jax.lax.dynamic_slice_in_dim(f, n, width - 1, axis=0))(full, counts)
+    return jax.nn.silu(y), new_state
+
+
+def attention(q: Array, k: Array, v: Array, q_pos: Array, scale: float) -> Array:
+    """Causal GQA attention of new queries over the whole KV buffer.
+
+    q [B, T, Hq, Dh]; k, v [B, S, Hkv, Dh] (the buffer, this step's keys already written);
+    q_pos [B, T]: each query's absolute position; key s is visible iff s <= q_pos.
+    Softmax in float32. Returns [B, T, Hq, Dh].
+    """
+    b, t, hq, dh = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, t, hkv, hq // hkv, dh)  # query head h uses kv head h // G
+    # [B, Hkv, G, T, S]
+    scores = jnp.einsum("bthgd,bshd->bhgts", qg, k, preferred_element_type=jnp.float32) * scale
+    visible = jnp.arange(k.shape[1])[None, None, :] <= q_pos[:, :, None]  # [B, T, S]
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bhgts,bshd->bthgd", probs, v)  # [B, T, Hkv, G, Dh]
+    return out.reshape(b, t, hq, dh)
+
+
+def write_kv(buf: Array, new: Array, starts: Array) -> Array:
+    """Write new [B, T, Hkv, Dh] into buf [B, S, Hkv, Dh] at per-row offsets starts [B]."""
+    return jax.vmap(lambda b, n, s: jax.lax.dynamic_update_slice_in_dim(b, n, s, axis=0))(buf, new, starts)
+
+
+def delta_rule(q, k, v, g, beta, state, implementation=None):
+    """The gated delta rule with q/k L2-normalised inside; see pallas_kernels.gated_delta_rule."""
+    return chunk_gated_delta_rule(
+        q, k, v, g, beta, initial_state=state, use_qk_l2norm_in_kernel=True, implementation=implementation
+    )

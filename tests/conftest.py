@@ -1,0 +1,55 @@
+"""Shared fixtures: tiny HF checkpoints (built once per session) and jitted forwards.
+
+JAX compile time dominates on 2 cores, so every compiled function is shared: one jitted
+`forward` per session, with the config as a static argument.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import hf_models  # noqa: E402
+
+import hybridjax  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def hf_dirs(tmp_path_factory) -> dict[str, Path]:
+    """name -> directory of a tiny HF checkpoint saved by transformers."""
+    root = tmp_path_factory.mktemp("hf")
+    return {name: build(root / name) for name, build in hf_models.BUILDERS.items()}
+
+
+@pytest.fixture(scope="session")
+def loaded(hf_dirs):
+    """name -> (cfg, params) loaded by hybridjax in float32."""
+    return {name: hybridjax.load_hf(d, dtype="float32") for name, d in hf_dirs.items()}
+
+
+@pytest.fixture(scope="session")
+def torch_models(hf_dirs):
+    return {name: hf_models.load_torch(d) for name, d in hf_dirs.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_forward():
+    return jax.jit(hybridjax.forward, static_argnames=("cfg", "implementation"))
+
+
+@pytest.fixture(scope="session")
+def jforward():
+    """`hybridjax.forward` jitted once for the whole session (cfg static)."""
+    fwd = _jitted_forward()
+
+    def run(params, tokens, cache, cfg, **kw):
+        n = jax.numpy.asarray(tokens).shape[1]
+        return fwd(params, tokens, hybridjax.reserve(cache, n), cfg, **kw)
+
+    return run
