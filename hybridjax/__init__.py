@@ -21,7 +21,14 @@ def load_hf(model_dir, dtype="float32"):
     return _load_hf(model_dir, dtype=dtype)
 
 
+def load(path, dtype=None):
+    """(Config, Params) from an HF model directory or a converted hybridjax checkpoint."""
+    from conversion import load as _load
+
+    return _load(path, dtype=dtype)
+
+
 __all__ = [
     "Cache", "Config", "ConfigError", "GDNState", "KVState", "Params", "config_from_dict",
-    "forward", "init_cache", "init_params", "load_config", "load_hf", "reserve",
+    "forward", "init_cache", "init_params", "load", "load_config", "load_hf", "reserve",
 ]

@@ -102,14 +102,13 @@ def with_capacity(cache: Cache, capacity: int) -> Cache:
     return cache.replace(layers=tuple(grow(s) for s in cache.layers))
 
 
-def reserve(cache: Cache, new_tokens: int, needed: int | None = None) -> Cache:
-    """Make room for `new_tokens` more tokens in every row (growing to the next bucket).
+def reserve(cache: Cache, new_tokens) -> Cache:
+    """Make room for `new_tokens` more real tokens per row (an int, or per-row counts [B]),
+    growing KV buffers to the next bucket. Raises ValueError past `max_len`.
 
-    `needed` is the largest row length after the step; by default it is read from
-    `cache.lengths` (a device-to-host copy). Raises ValueError past `max_len`.
+    Reads `cache.lengths` (a device-to-host copy), so call it outside jit.
     """
-    if needed is None:
-        needed = int(np.max(np.asarray(cache.lengths))) + new_tokens if cache.batch_size else new_tokens
+    needed = int(np.max(np.asarray(cache.lengths) + np.asarray(new_tokens), initial=0))
     if needed > cache.max_len:
         raise ValueError(f"sequence of {needed} tokens exceeds the cache's max_len of {cache.max_len}")
     if needed <= cache.capacity:

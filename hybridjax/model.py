@@ -27,12 +27,13 @@ def forward(
     *,
     token_counts: Array | None = None,
     implementation: str | None = None,
+    last_logits_only: bool = False,
 ) -> tuple[Array, Cache]:
     """Run tokens [B, T] (int32) through the model from `cache`.
 
     token_counts [B] (optional): real tokens per row, the rest right padding (default: all T).
-    Returns float32 logits [B, T, vocab] (rows past a row's count are meaningless) and the new
-    cache, whose `lengths` advanced by token_counts. The input cache is not modified.
+    Returns float32 logits [B, T, vocab] (positions past a row's count are meaningless), or
+    [B, 1, vocab] at each row's last real token with `last_logits_only`, and the new cache, whose `lengths` advanced by token_counts. The input cache is not modified.
     Outside jit the KV buffers grow as needed; under jit the caller reserves room first
     (`hybridjax.cache.reserve`), since shapes are fixed there.
     """
@@ -44,7 +45,7 @@ def forward(
         raise ValueError(f"forward: tokens have {b} rows but the cache has {cache.batch_size}")
     counts = jnp.full((b,), t, jnp.int32) if token_counts is None else jnp.asarray(token_counts, jnp.int32)
     if not isinstance(cache.lengths, jax.core.Tracer):
-        cache = reserve(cache, t)
+        cache = reserve(cache, t if isinstance(counts, jax.core.Tracer) else counts)
 
     starts = cache.lengths
     valid = jnp.arange(t)[None, :] < counts[:, None]  # [B, T]
@@ -53,6 +54,9 @@ def forward(
     for layer, state in zip(params.layers, cache.layers):
         x, state = decoder_layer(layer, x, state, starts, valid, cfg, implementation)
         states.append(state)
+    if last_logits_only:  # prefill needs one row of logits, not T: skip the big vocab matmul
+        last = jnp.maximum(counts - 1, 0)
+        x = jnp.take_along_axis(x, last[:, None, None], axis=1)  # [B, 1, D]
     x = ops.rms_norm(x, params.final_norm, cfg.rms_norm_eps)
     head = params.embed.T if params.lm_head is None else params.lm_head  # [D, vocab]
     logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)

@@ -89,8 +89,14 @@ def attention(q: Array, k: Array, v: Array, q_pos: Array, scale: float) -> Array
 
 
 def write_kv(buf: Array, new: Array, starts: Array) -> Array:
-    """Write new [B, T, Hkv, Dh] into buf [B, S, Hkv, Dh] at per-row offsets starts [B]."""
-    return jax.vmap(lambda b, n, s: jax.lax.dynamic_update_slice_in_dim(b, n, s, axis=0))(buf, new, starts)
+    """Write new [B, T, Hkv, Dh] into buf [B, S, Hkv, Dh] at positions starts[b] + t.
+
+    Positions past the buffer (right padding of a bucketed prompt) are dropped, so capacity
+    only has to cover real tokens.
+    """
+    b, t = new.shape[:2]
+    pos = starts[:, None] + jnp.arange(t, dtype=starts.dtype)  # [B, T]
+    return buf.at[jnp.arange(b)[:, None], pos].set(new, mode="drop")
 
 
 def delta_rule(q, k, v, g, beta, state, implementation=None):

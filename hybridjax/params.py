@@ -173,7 +173,8 @@ def init_params(key: Array, cfg: Config, dtype=jnp.float32) -> Params:
             x = 0.2 * jax.random.normal(k, shape) + (1.0 if name == "norm" and _in_gdn(path) else 0.0)
         else:
             fan_in = shape[-2] if len(shape) >= 2 else shape[0]
-            std = 1.0 if name == "embed" else fan_in**-0.5
+            # embed: rows of norm ~1, so tied logits have unit scale
+            std = cfg.hidden_size**-0.5 if name == "embed" else fan_in**-0.5
             x = std * jax.random.normal(k, shape)
         out.append(x)
     return cast_params(jax.tree_util.tree_unflatten(treedef, out), dtype)

@@ -50,6 +50,6 @@ def jforward():
 
     def run(params, tokens, cache, cfg, **kw):
         n = jax.numpy.asarray(tokens).shape[1]
-        return fwd(params, tokens, hybridjax.reserve(cache, n), cfg, **kw)
+        return fwd(params, tokens, hybridjax.reserve(cache, kw.get("token_counts", n)), cfg, **kw)
 
     return run

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 TINY = dict(
-    vocab_size=97, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=272, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
     head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
     max_position_embeddings=1024, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
 )

@@ -1,0 +1,159 @@
+"""The `hybridjax` command: thin wrappers over library functions.
+
+    hybridjax generate [--model DIR] (--prompt TEXT | --messages FILE.json | --token-ids 1,2,3) ...
+    hybridjax convert --hf-dir D --out D  |  --to-hf --checkpoint D --out D
+
+Every error is one line on stderr and a non-zero exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+EXIT_ERROR = 1
+
+
+class CLIError(Exception):
+    """An error whose message is shown to the user as is."""
+
+
+def _positive_int(s: str) -> int:
+    v = int(s)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def _token_ids(s: str) -> list[int]:
+    try:
+        ids = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("expected at least one token id")
+    return ids
+
+
+def load_model(model: str | None, dtype: str | None = None):
+    """(cfg, params, tokenizer or None, name) for a model directory, or the embedded default."""
+    if model is None:
+        from hybridjax.default_model import DEFAULT_NAME, default_model
+
+        cfg, params, tok = default_model()
+        return cfg, params, tok, DEFAULT_NAME
+    import hybridjax
+    from hybridjax.tokenizer import Tokenizer
+
+    path = Path(model)
+    if not path.is_dir():
+        raise CLIError(f"model directory not found: {model}")
+    cfg, params = hybridjax.load(path, dtype=dtype)
+    tok = Tokenizer.from_dir(path, cfg.eos_token_id) if (path / "tokenizer.json").is_file() else None
+    return cfg, params, tok, path.name
+
+
+def _prompt_ids(args, tok) -> list[int]:
+    if args.token_ids is not None:
+        return args.token_ids
+    if tok is None:
+        raise CLIError("this model directory has no tokenizer.json: pass --token-ids")
+    if args.messages is not None:
+        try:
+            messages = json.loads(Path(args.messages).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CLIError(f"--messages: cannot read {args.messages}: {e}") from None
+        if not isinstance(messages, list):
+            raise CLIError("--messages: the file must hold a JSON list of {role, content} objects")
+        return tok.encode_chat(messages, add_generation_prompt=True)
+    return tok.encode(args.prompt)
+
+
+def cmd_generate(args) -> int:
+    from hybridjax.generate import generate, stream
+    from hybridjax.sampling import sampling_params
+    from hybridjax.tokenizer import StreamDecoder
+
+    cfg, params, tok, _ = load_model(args.model, args.dtype)
+    prompt = _prompt_ids(args, tok)
+    bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise CLIError(f"token id {bad[0]} is outside the vocabulary (0..{cfg.vocab_size - 1})")
+    sp = sampling_params(1, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                         repetition_penalty=args.repetition_penalty)
+    stops = tuple(tok.eos_token_ids) if tok is not None else cfg.eos_token_id
+    max_len = len(prompt) + args.max_new_tokens
+    if args.stream:
+        decoder = StreamDecoder(tok) if tok is not None else None
+        out = []
+        for t in stream(params, cfg, prompt, max_new_tokens=args.max_new_tokens, stop_ids=stops, seed=args.seed,
+                        sampling=sp, max_len=max_len):
+            out.append(t)
+            if not args.json:
+                print(decoder.push(t) if decoder else f"{t} ", end="", flush=True)
+        if not args.json:
+            print(decoder.flush() if decoder else "", flush=True)
+    else:
+        out = generate(params, cfg, [prompt], max_new_tokens=args.max_new_tokens, stop_ids=stops, seeds=[args.seed],
+                       sampling=sp, max_len=max_len).token_lists()[0]
+    text = tok.decode(out, skip_special_tokens=True) if tok is not None else None
+    if args.json:
+        print(json.dumps({"prompt_token_ids": prompt, "token_ids": out, "text": text}))
+    elif not args.stream:
+        print(text if text is not None else " ".join(map(str, out)))
+    return 0
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text from a prompt")
+    p.add_argument("--model", help="HF model directory or converted checkpoint (default: the embedded tiny model)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--messages", help="JSON file with a list of chat messages (rendered with the chat template)")
+    src.add_argument("--token-ids", type=_token_ids, help="comma-separated prompt token ids")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="weights dtype (default: float32 for HF dirs, stored dtype for checkpoints)")
+    p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
+    p.add_argument("--json", action="store_true", help='print {"prompt_token_ids", "token_ids", "text"}')
+    p.set_defaults(func=cmd_generate)
+
+
+def _add_convert(sub) -> None:
+    from conversion import cli as convert_cli
+
+    p = sub.add_parser("convert", help="convert HF safetensors <-> hybridjax checkpoints")
+    convert_cli.add_arguments(p)
+    p.set_defaults(func=convert_cli.run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hybridjax", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_convert(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except (CLIError, ValueError, OSError) as e:
+        # ValueError covers ConfigError, CheckpointError, TokenizerError and bad parameters.
+        print(f"hybridjax {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""The jit boundaries: prefill, decode step, whole-call generate, and a streaming iterator.
+
+Donation rule (DESIGN.md): only functions named `..._donating` donate the cache, and only a
+cache no snapshot holds may be passed to them. `prefill`, `decode_step` and `generate` never
+donate, so a kept cache stays usable; `stream` runs its first step without donation and
+donates from then on (each later cache is its own fresh value).
+
+Shapes that would otherwise vary per call are bucketed so that jit does not retrace: prompt
+lengths pad to powers of two (>= 16), `generate`'s output buffer to powers of two (>= 16),
+and KV capacity grows in buckets (`cache.reserve`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from hybridjax.cache import Cache, init_cache, reserve
+from hybridjax.config import Config
+from hybridjax.model import forward
+from hybridjax.params import Params
+from hybridjax.sampling import SamplingParams, apply_penalties, row_keys, sample, sampling_params
+
+Array = jax.Array
+
+MIN_BUCKET = 16
+
+
+def length_bucket(n: int) -> int:
+    """Smallest power of two >= n, at least MIN_BUCKET."""
+    b = MIN_BUCKET
+    while b < n:
+        b *= 2
+    return b
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], bucket: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pad token lists into int32 [B, T] (T a bucket) and their counts [B]."""
+    counts = np.array([len(p) for p in prompts], np.int32)
+    width = bucket or length_bucket(int(counts.max(initial=1)))
+    tokens = np.zeros((len(prompts), width), np.int32)
+    for row, p in enumerate(prompts):
+        tokens[row, : len(p)] = p
+    return tokens, counts
+
+
+# --- sampler state -----------------------------------------------------------------------
+
+
+@struct.dataclass
+class Sampler:
+    """Per-row sampling state carried between steps."""
+
+    params: SamplingParams
+    keys: Array  # [B] PRNG keys, one per row (from the row's seed)
+    step: Array  # [B] int32: tokens drawn so far (folded into the key)
+    seen: Array  # [B, vocab] bool: prompt and output tokens (repetition penalty)
+    out_counts: Array  # [B, vocab] int32: output tokens (presence / frequency penalties)
+
+
+def init_sampler(sp: SamplingParams, seeds: Sequence[int], vocab: int, tokens=None, counts=None) -> Sampler:
+    """A sampler for len(seeds) rows; `tokens [B, T]` / `counts [B]` mark the prompt as seen."""
+    b = len(seeds)
+    seen = jnp.zeros((b, vocab), bool)
+    if tokens is not None:
+        valid = np.arange(tokens.shape[1])[None] < np.asarray(counts)[:, None]
+        seen = seen.at[np.arange(b)[:, None], np.asarray(tokens)].max(jnp.asarray(valid))
+    return Sampler(sp, row_keys(seeds), jnp.zeros((b,), jnp.int32), seen, jnp.zeros((b, vocab), jnp.int32))
+
+
+def next_token(logits: Array, s: Sampler) -> tuple[Array, Sampler]:
+    """Draw one token per row from logits [B, vocab]; returns (tokens [B], new sampler)."""
+    logits = apply_penalties(logits, s.params, s.seen, s.out_counts)
+    keys = jax.vmap(jax.random.fold_in)(s.keys, s.step)
+    tok = sample(logits, s.params, keys)
+    rows = jnp.arange(tok.shape[0])
+    return tok, s.replace(
+        step=s.step + 1, seen=s.seen.at[rows, tok].set(True), out_counts=s.out_counts.at[rows, tok].add(1)
+    )
+
+
+# --- jitted steps ----------------------------------------------------------------------
+
+
+def _prefill(params, tokens, counts, cache, cfg):
+    logits, cache = forward(params, tokens, cache, cfg, token_counts=counts, last_logits_only=True)
+    return logits[:, 0], cache
+
+
+def _decode(params, tokens, active, cache, cfg):
+    logits, cache = forward(params, tokens[:, None], cache, cfg, token_counts=active.astype(jnp.int32))
+    return logits[:, 0], cache
+
+
+_prefill_jit = jax.jit(_prefill, static_argnames="cfg")
+_prefill_donating_jit = jax.jit(_prefill, static_argnames="cfg", donate_argnames="cache")
+_decode_jit = jax.jit(_decode, static_argnames="cfg")
+_decode_donating_jit = jax.jit(_decode, static_argnames="cfg", donate_argnames="cache")
+_next_token_jit = jax.jit(next_token)
+
+
+def _prepare_prefill(tokens, counts, cache):
+    tokens = np.asarray(tokens, np.int32)
+    counts = np.full((tokens.shape[0],), tokens.shape[1], np.int32) if counts is None else np.asarray(counts, np.int32)
+    return tokens, counts, reserve(cache, counts)
+
+
+def prefill(params: Params, tokens, cache: Cache, cfg: Config, counts=None) -> tuple[Array, Cache]:
+    """Run right-padded prompts tokens [B, T] (counts [B] real tokens each) from `cache`.
+
+    Returns (logits after each row's last real token [B, vocab], new cache). Never donates.
+    """
+    tokens, counts, cache = _prepare_prefill(tokens, counts, cache)
+    return _prefill_jit(params, tokens, counts, cache, cfg)
+
+
+def prefill_donating(params: Params, tokens, cache: Cache, cfg: Config, counts=None) -> tuple[Array, Cache]:
+    """`prefill` that donates `cache` (which must be held by no snapshot)."""
+    tokens, counts, cache = _prepare_prefill(tokens, counts, cache)
+    return _prefill_donating_jit(params, tokens, counts, cache, cfg)
+
+
+def decode_step(params: Params, tokens, cache: Cache, cfg: Config, active=None) -> tuple[Array, Cache]:
+    """One token per row, tokens [B]; rows with active False keep their state. Never donates."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    active = jnp.ones(tokens.shape, bool) if active is None else jnp.asarray(active, bool)
+    return _decode_jit(params, tokens, active, reserve(cache, 1), cfg)
+
+
+def decode_step_donating(params: Params, tokens, cache: Cache, cfg: Config, active=None) -> tuple[Array, Cache]:
+    """`decode_step` that donates `cache` (held by no snapshot)."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    active = jnp.ones(tokens.shape, bool) if active is None else jnp.asarray(active, bool)
+    return _decode_donating_jit(params, tokens, active, reserve(cache, 1), cfg)
+
+
+# --- whole-call generate ---------------------------------------------------------------
+
+
+@struct.dataclass
+class Generation:
+    tokens: Array  # [B, N] generated tokens (N a bucket >= max_new_tokens; past n_generated: 0)
+    n_generated: Array  # [B]
+    cache: Cache  # prompt + every generated token of each row
+    logits: Array  # [B, vocab] after each row's last token (what a continuation samples from)
+
+    def token_lists(self) -> list[list[int]]:
+        toks, n = np.asarray(self.tokens), np.asarray(self.n_generated)
+        return [toks[row, : n[row]].tolist() for row in range(toks.shape[0])]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "out_len"))
+def _generate(params, tokens, counts, cache, sampler, stop_ids, max_new, cfg, out_len):
+    logits, cache = _prefill(params, tokens, counts, cache, cfg)
+    b = tokens.shape[0]
+    out = jnp.zeros((b, out_len), jnp.int32)
+    done = max_new <= 0
+
+    def cond(c):
+        step, *_, done = c
+        return (step < out_len) & ~jnp.all(done)
+
+    def body(c):
+        step, cache, logits, sampler, out, n_gen, done = c
+        tok, sampler = next_token(logits, sampler)
+        active = ~done
+        out = out.at[:, step].set(jnp.where(active, tok, 0))
+        n_gen = n_gen + active
+        # Every drawn token is fed back, so the final cache covers the whole response.
+        new_logits, cache = _decode(params, tok, active, cache, cfg)
+        logits = jnp.where(active[:, None], new_logits, logits)
+        stop = jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
+        return step + 1, cache, logits, sampler, out, n_gen, done | (active & (stop | (n_gen >= max_new)))
+
+    init = (jnp.int32(0), cache, logits, sampler, out, jnp.zeros((b,), jnp.int32), done)
+    _, cache, logits, _, out, n_gen, _ = jax.lax.while_loop(cond, body, init)
+    return Generation(out, n_gen, cache, logits)
+
+
+def generate(
+    params: Params,
+    cfg: Config,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int | Sequence[int],
+    cache: Cache | None = None,
+    max_len: int | None = None,
+    stop_ids: Sequence[int] = (),
+    seeds: Sequence[int] | None = None,
+    sampling: SamplingParams | None = None,
+) -> Generation:
+    """Prefill ragged prompts and decode until each row stops, in one jitted call.
+
+    A row stops at a token in `stop_ids` (kept as its last token) or after its
+    `max_new_tokens`. `cache` (optional) holds what precedes the prompts; it is not donated,
+    so it stays usable (a snapshot). Default sampling is greedy.
+    """
+    b = len(prompts)
+    if b == 0 or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate: every prompt needs at least one token")
+    max_new = np.broadcast_to(np.asarray(max_new_tokens, np.int32), (b,))
+    if np.any(max_new < 0):
+        raise ValueError("generate: max_new_tokens must be >= 0")
+    out_len = length_bucket(int(max_new.max()))
+    tokens, counts = pad_prompts(prompts)
+    if cache is None:
+        cache = init_cache(cfg, b, max_len or (tokens.shape[1] + out_len))
+    cache = reserve(cache, counts + max_new)
+    sp = sampling if sampling is not None else sampling_params(b)
+    sampler = init_sampler(sp, seeds if seeds is not None else [0] * b, cfg.vocab_size, tokens, counts)
+    stops = jnp.asarray(np.array(list(stop_ids) or [-1], np.int32))
+    return _generate(params, tokens, counts, cache, sampler, stops, jnp.asarray(max_new), cfg, out_len)
+
+
+# --- streaming ---------------------------------------------------------------------------
+
+
+def stream(
+    params: Params,
+    cfg: Config,
+    prompt: Sequence[int],
+    *,
+    max_new_tokens: int,
+    cache: Cache | None = None,
+    max_len: int | None = None,
+    stop_ids: Sequence[int] = (),
+    seed: int = 0,
+    sampling: SamplingParams | None = None,
+) -> Iterator[int]:
+    """Yield generated tokens one at a time (batch of one), stopping like `generate`.
+
+    The first step (prefill from `cache`, maybe a snapshot) does not donate; every later step
+    donates the cache the previous step made, which nothing else holds.
+    """
+    if not prompt:
+        raise ValueError("stream: the prompt needs at least one token")
+    if cache is None:
+        cache = init_cache(cfg, 1, max_len or len(prompt) + max_new_tokens)
+    tokens, counts = pad_prompts([prompt])
+    sampler = init_sampler(sampling or sampling_params(1), [seed], cfg.vocab_size, tokens, counts)
+    logits, cache = prefill(params, tokens, cache, cfg, counts)
+    stops = set(stop_ids)
+    for i in range(max_new_tokens):
+        tok, sampler = _next_token_jit(logits, sampler)
+        t = int(tok[0])
+        yield t
+        if t in stops or i == max_new_tokens - 1:
+            return
+        logits, cache = decode_step_donating(params, tok, cache, cfg)

@@ -1,0 +1,207 @@
+"""Tokenizer and chat template from a Hugging Face model directory.
+
+Reads `tokenizer.json` (the `tokenizers` library does the encoding), the chat template from
+`chat_template.jinja` or `tokenizer_config.json`, special tokens from `tokenizer_config.json`,
+and EOS ids from `generation_config.json` / `config.json`. Templates render in a sandboxed
+Jinja environment set up as transformers sets it up (trim_blocks, lstrip_blocks, loop
+controls, a non-escaping `tojson`, `raise_exception`, `strftime_now`), so the same messages
+give the same string.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _HFTokenizer
+
+SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+class TokenizerError(ValueError):
+    """A missing or unreadable tokenizer file, or a chat the template rejects."""
+
+
+def _token_str(v) -> str | None:
+    if isinstance(v, dict):  # AddedToken serialisation
+        return v.get("content")
+    return v
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env
+
+
+class Tokenizer:
+    """Encode / decode text and render chats; `eos_token_ids` end a generation."""
+
+    def __init__(self, backend: _HFTokenizer, chat_template: str | None, special_tokens: dict, eos_token_ids: Sequence[int]):
+        self.backend = backend
+        self.chat_template = chat_template
+        self.special_tokens = {k: v for k, v in special_tokens.items() if v is not None}
+        self.eos_token_ids = tuple(dict.fromkeys(eos_token_ids))
+        self._template = _environment().from_string(chat_template) if chat_template else None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, eos_token_ids: Iterable[int] = ()) -> "Tokenizer":
+        d = Path(model_dir)
+        if not (d / "tokenizer.json").is_file():
+            raise TokenizerError(f"{d}: no tokenizer.json (a fast tokenizer file is required)")
+        backend = _HFTokenizer.from_file(str(d / "tokenizer.json"))
+        tcfg = _read_json(d / "tokenizer_config.json")
+        template = tcfg.get("chat_template")
+        if (d / "chat_template.jinja").is_file():
+            template = (d / "chat_template.jinja").read_text()
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        special = {k: _token_str(tcfg.get(k)) for k in SPECIAL_KEYS}
+        eos = list(eos_token_ids)
+        for source in (_read_json(d / "generation_config.json"), _read_json(d / "config.json")):
+            e = source.get("eos_token_id")
+            eos += e if isinstance(e, list) else ([e] if e is not None else [])
+        if special.get("eos_token") and backend.token_to_id(special["eos_token"]) is not None:
+            eos.append(backend.token_to_id(special["eos_token"]))
+        return cls(backend, template, special, eos)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        """The prompt string for `messages`, as transformers' apply_chat_template(tokenize=False)."""
+        if self._template is None:
+            raise TokenizerError("this model has no chat template; send a plain prompt instead")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m:
+                raise TokenizerError(f"messages[{i}] must be an object with a 'role'")
+        try:
+            return self._template.render(
+                messages=messages, tools=kwargs.pop("tools", None), documents=kwargs.pop("documents", None),
+                add_generation_prompt=add_generation_prompt, **self.special_tokens, **kwargs,
+            )
+        except jinja2.exceptions.TemplateError as e:
+            raise TokenizerError(f"chat template rejected the messages: {e}") from None
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+        return self.encode(self.render_chat(messages, add_generation_prompt, **kwargs))
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise TokenizerError(f"{path}: invalid JSON ({e})") from None
+
+
+class StreamDecoder:
+    """Turns a growing list of token ids into text deltas that never split a UTF-8 character.
+
+    Decodes the ids since the last emitted boundary; while the tail decodes to U+FFFD (an
+    incomplete byte sequence) it waits for more tokens.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer, self.skip = tokenizer, skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # ids before this are context for the decoder only
+        self.read_offset = 0  # ids before this have been emitted as text
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.skip)  # noqa: E731
+        before = decode(self.ids[self.prefix_offset : self.read_offset])
+        after = decode(self.ids[self.prefix_offset :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return after[len(before) :]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is left (an incomplete character at the very end comes out as U+FFFD)."""
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.skip)  # noqa: E731
+        before = decode(self.ids[self.prefix_offset : self.read_offset])
+        after = decode(self.ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return after[len(before) :]
+
+
+# --- a small byte-level tokenizer: the embedded default model and the tests use it -------
+
+CHATML_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- set loop_messages = messages[1:] %}"
+    "{%- else %}{%- set loop_messages = messages %}{%- endif %}\n"
+    "{%- for message in loop_messages %}\n"
+    "{%- if message['role'] not in ['user', 'assistant', 'tool'] %}"
+    "{{- raise_exception('Unknown role: ' + message['role']) }}{%- endif %}\n"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] | trim + '<|im_end|>\\n' }}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}\n"
+)
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def byte_level_backend() -> _HFTokenizer:
+    """256 byte tokens (GPT-2 byte-to-unicode alphabet, no merges) + ChatML specials."""
+    from tokenizers import decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    # The GPT-2 order: printable bytes keep their code point; sort by the byte they stand for.
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet, key=_byte_of))}
+    tok = _HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIALS))
+    return tok
+
+
+def _byte_of(ch: str) -> int:
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    c = ord(ch)
+    if c in printable:
+        return c
+    return sorted(set(range(256)) - set(printable))[c - 256]
+
+
+def byte_level_tokenizer(chat_template: str = CHATML_TEMPLATE) -> Tokenizer:
+    backend = byte_level_backend()
+    special = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None, "unk_token": None}
+    eos = [backend.token_to_id("<|im_end|>"), backend.token_to_id("<|endoftext|>")]
+    return Tokenizer(backend, chat_template, special, eos)
+
+
+def save_tokenizer(tokenizer: Tokenizer, model_dir: str | Path) -> None:
+    """Write tokenizer.json, tokenizer_config.json and chat_template.jinja (HF layout)."""
+    d = Path(model_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    tokenizer.backend.save(str(d / "tokenizer.json"))
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 131072, **tokenizer.special_tokens}
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
+    if tokenizer.chat_template:
+        (d / "chat_template.jinja").write_text(tokenizer.chat_template)

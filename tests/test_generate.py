@@ -1,0 +1,209 @@
+"""Generation: greedy parity with transformers, cache reuse, sampling, streaming, chat
+template, and the `hybridjax generate` CLI."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import hybridjax
+from hybridjax.generate import generate, stream
+from hybridjax.sampling import filter_logits, sampling_params
+from hybridjax.tokenizer import StreamDecoder, Tokenizer, byte_level_tokenizer, save_tokenizer
+
+NEW = 32
+
+
+def hf_greedy(model, prompt, n):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long), pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def prompts_for(cfg, lengths, seed):
+    rng = np.random.RandomState(seed)
+    return [rng.randint(0, cfg.vocab_size, n).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next_moe", "qwen3_5_dense", "qwen3_5_multimodal", "qwen3_5_moe"])
+def test_greedy_batch_equals_transformers(arch, loaded, torch_models):
+    """A batch of ragged prompts, greedy, 32 new tokens: every row equals transformers'
+    greedy generate on that prompt alone, token for token."""
+    cfg, params = loaded[arch]
+    prompts = prompts_for(cfg, [5, 17, 1], seed=10)
+    ours = generate(params, cfg, prompts, max_new_tokens=NEW).token_lists()
+    for row, prompt in enumerate(prompts):
+        assert ours[row] == hf_greedy(torch_models[arch], prompt, NEW), (arch, row)
+
+
+def test_generate_from_kept_cache_equals_scratch_and_keeps_it(loaded):
+    cfg, params = loaded["qwen3_next_moe"]
+    prefix, suffix = prompts_for(cfg, [23, 6], seed=11)
+    g0 = generate(params, cfg, [prefix], max_new_tokens=4, max_len=128)
+    kept = g0.cache  # prefix + 4 generated tokens
+    before = [np.array(x) for x in jax.tree_util.tree_leaves(kept)]
+    history = prefix + g0.token_lists()[0]
+    warm = generate(params, cfg, [suffix], max_new_tokens=20, cache=kept).token_lists()
+    again = generate(params, cfg, [suffix[:3]], max_new_tokens=20, cache=kept).token_lists()
+    assert warm == generate(params, cfg, [history + suffix], max_new_tokens=20).token_lists()
+    assert again == generate(params, cfg, [history + suffix[:3]], max_new_tokens=20).token_lists()
+    for x, y in zip(before, jax.tree_util.tree_leaves(kept)):  # the kept cache is intact and usable
+        np.testing.assert_array_equal(x, np.asarray(y))
+
+
+def test_stop_ids_and_per_row_max_tokens(loaded):
+    cfg, params = loaded["qwen3_5_dense"]
+    prompts = prompts_for(cfg, [4, 9], seed=12)
+    free = generate(params, cfg, prompts, max_new_tokens=12).token_lists()
+    stop = free[0][5]
+    got = generate(params, cfg, prompts, max_new_tokens=[12, 3], stop_ids=[stop])
+    first = free[0].index(stop)
+    assert got.token_lists()[0] == free[0][: first + 1]  # stops at (and keeps) the stop token
+    assert got.token_lists()[1] == free[1][: min(3, free[1].index(stop) + 1 if stop in free[1] else 3)]
+    assert list(np.asarray(got.cache.lengths)) == [4 + first + 1, 9 + len(got.token_lists()[1])]
+
+
+def test_stream_equals_generate(loaded):
+    cfg, params = loaded["qwen3_5_dense"]
+    prompt = prompts_for(cfg, [9], seed=13)[0]
+    expect = generate(params, cfg, [prompt], max_new_tokens=10).token_lists()[0]
+    assert list(stream(params, cfg, prompt, max_new_tokens=10)) == expect
+    sp = sampling_params(1, temperature=0.9, top_k=20)
+    a = list(stream(params, cfg, prompt, max_new_tokens=10, seed=5, sampling=sp))
+    b = generate(params, cfg, [prompt], max_new_tokens=10, seeds=[5], sampling=sp).token_lists()[0]
+    assert a == b
+
+
+def test_sampling_is_seeded_per_row_and_topk1_is_greedy(loaded):
+    cfg, params = loaded["qwen3_5_multimodal"]
+    prompts = prompts_for(cfg, [6, 6, 6], seed=14)
+    sp = sampling_params(3, temperature=[1.0, 1.0, 1.0], top_k=[0, 1, 0])
+    run = lambda seeds: generate(params, cfg, prompts, max_new_tokens=16, seeds=seeds, sampling=sp).token_lists()  # noqa: E731
+    a, b, c = run([1, 2, 3]), run([1, 2, 3]), run([4, 2, 3])
+    assert a == b  # same seeds, same output
+    assert a[0] != c[0] and a[1:] == c[1:]  # a row's draws depend on its own seed only
+    greedy = generate(params, cfg, prompts, max_new_tokens=16).token_lists()
+    assert a[1] == greedy[1]  # top-k = 1 is greedy
+    alone = generate(params, cfg, [prompts[2]], max_new_tokens=16, seeds=[3],
+                     sampling=sampling_params(1, temperature=1.0)).token_lists()
+    assert alone[0] == a[2]  # independent of the rest of the batch
+
+
+def test_filters_mask_what_they_should():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05], [0.25, 0.25, 0.25, 0.25]]))
+    kept = lambda **kw: np.isfinite(np.asarray(filter_logits(logits, sampling_params(2, temperature=1.0, **kw))))  # noqa: E731
+    np.testing.assert_array_equal(kept(top_p=0.7)[0], [True, True, False, False])  # 0.5 < 0.7 <= 0.8
+    np.testing.assert_array_equal(kept(top_p=0.5)[0], [True, False, False, False])
+    np.testing.assert_array_equal(kept(top_k=2)[0], [True, True, False, False])
+    np.testing.assert_array_equal(kept(min_p=0.5)[0], [True, True, False, False])  # >= 0.25
+    assert kept(top_p=0.9, top_k=3).sum() == 3 + 4  # row 1: all four tie at the threshold, all kept
+    assert kept().all()
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"), (dict(min_p=2.0), "min_p"), (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(temperature=float("nan")), "temperature"),
+])
+def test_invalid_sampling_parameters_are_named(kw, field):
+    with pytest.raises(ValueError, match=f"invalid sampling parameter '{field}'"):
+        sampling_params(1, **kw)
+
+
+def test_stream_decoder_never_splits_utf8():
+    tok = byte_level_tokenizer()
+    text = "héllo 世界 🙂 ok"
+    dec = StreamDecoder(tok)
+    deltas = [dec.push(t) for t in tok.encode(text)] + [dec.flush()]
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+    assert deltas[tok.encode(text).index(0xE4)] == ""  # first byte of 世 alone emits nothing
+
+
+CHATS = [
+    [{"role": "user", "content": "Hello!"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi  "},
+     {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "ça va? 世界"}],
+    [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+]
+
+
+@pytest.mark.parametrize("template", ["chatml", "tojson"])
+def test_chat_template_matches_transformers(tmp_path, template):
+    from transformers import AutoTokenizer
+
+    source = None if template == "chatml" else (
+        "{% for m in messages %}{{ m | tojson }}{% if not loop.last %}\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ eos_token }}{% endif %}")
+    tok = byte_level_tokenizer(source) if source else byte_level_tokenizer()
+    save_tokenizer(tok, tmp_path)
+    ours, theirs = Tokenizer.from_dir(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    for chat in CHATS:
+        for gen in (True, False):
+            expect = theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=gen)
+            assert ours.render_chat(chat, add_generation_prompt=gen) == expect
+            assert ours.encode(expect) == theirs.encode(expect, add_special_tokens=False)
+
+
+def test_chat_template_errors(tmp_path):
+    tok = byte_level_tokenizer()
+    with pytest.raises(ValueError, match="Unknown role: robot"):
+        tok.render_chat([{"role": "robot", "content": "x"}])
+    with pytest.raises(ValueError, match=r"messages\[0\] must be an object with a 'role'"):
+        tok.render_chat(["hi"])
+
+
+@pytest.fixture(scope="module")
+def cli_model(tmp_path_factory, hf_dirs):
+    d = tmp_path_factory.mktemp("cli") / "model"
+    shutil.copytree(hf_dirs["qwen3_5_dense"], d)
+    save_tokenizer(byte_level_tokenizer(), d)
+    return d
+
+
+def test_cli_generate_json(cli_model, capsys, loaded):
+    from hybridjax.cli import main
+
+    assert main(["generate", "--model", str(cli_model), "--prompt", "Hi there", "--max-new-tokens", "6", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    cfg, params = loaded["qwen3_5_dense"]
+    tok = Tokenizer.from_dir(cli_model)
+    assert out["prompt_token_ids"] == tok.encode("Hi there")
+    expect = generate(params, cfg, [out["prompt_token_ids"]], max_new_tokens=6, stop_ids=tok.eos_token_ids).token_lists()[0]
+    assert out["token_ids"] == expect and out["text"] == tok.decode(expect, skip_special_tokens=True)
+
+    msgs = cli_model.parent / "msgs.json"
+    msgs.write_text(json.dumps(CHATS[1]))
+    assert main(["generate", "--model", str(cli_model), "--messages", str(msgs), "--max-new-tokens", "3", "--json", "--stream"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prompt_token_ids"] == tok.encode_chat(CHATS[1]) and len(out["token_ids"]) <= 3
+
+
+def test_cli_errors_are_one_line(cli_model, tmp_path, capsys):
+    from hybridjax.cli import main
+
+    assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model directory not found" in err
+    assert main(["generate", "--model", str(cli_model), "--token-ids", "1,99999"]) == 1
+    assert "token id 99999 is outside the vocabulary" in capsys.readouterr().err
+    assert main(["generate", "--model", str(cli_model), "--prompt", "x", "--top-p", "0"]) == 1
+    assert "invalid sampling parameter 'top_p'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--token-ids", "a,b"])
+    assert e.value.code == 2
+
+
+def test_cli_default_model_runs(capsys):
+    from hybridjax.cli import main
+
+    assert main(["generate", "--prompt", "Hello", "--max-new-tokens", "5", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["token_ids"]) == 5 and out["prompt_token_ids"] == list(b"Hello")
