@@ -1,6 +1,7 @@
 """The `hybridjax` command: thin wrappers over library functions.
 
     hybridjax generate [--model DIR] (--prompt TEXT | --messages FILE.json | --token-ids 1,2,3) ...
+    hybridjax serve [--model DIR] [--port 8000] ...
     hybridjax convert --hf-dir D --out D  |  --to-hf --checkpoint D --out D
 
 Every error is one line on stderr and a non-zero exit code.
@@ -127,6 +128,37 @@ def _add_generate(sub) -> None:
     p.set_defaults(func=cmd_generate)
 
 
+def cmd_serve(args) -> int:
+    from hybridjax.server import ServerConfig, serve
+
+    return serve(ServerConfig(
+        model=args.model, host=args.host, port=args.port, slots=args.slots, max_len=args.max_len,
+        max_queue=args.max_queue, prefix_cache=not args.no_prefix_cache, cache_mb=args.cache_mb,
+        cache_entries=args.cache_entries, cache_ttl_s=args.cache_ttl, checkpoint_interval=args.checkpoint_interval,
+        cache_dir=args.prefix_cache_dir, api_key=args.api_key, dtype=args.dtype,
+    ))
+
+
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with exact-prefix snapshot reuse")
+    p.add_argument("--model", help="HF model directory or converted checkpoint (default: the embedded tiny model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--slots", type=_positive_int, default=4, help="requests decoded together (default 4)")
+    p.add_argument("--max-len", type=_positive_int, default=4096, help="context length per request (default 4096)")
+    p.add_argument("--max-queue", type=_positive_int, default=64, help="waiting requests before 429 (default 64)")
+    p.add_argument("--no-prefix-cache", action="store_true", help="turn the snapshot store off")
+    p.add_argument("--cache-mb", type=float, default=1024.0, help="snapshot store budget in MB (default 1024)")
+    p.add_argument("--cache-entries", type=_positive_int, default=256, help="snapshot store entry limit")
+    p.add_argument("--cache-ttl", type=float, default=3600.0, help="seconds a snapshot lives unused")
+    p.add_argument("--checkpoint-interval", type=_positive_int, default=256,
+                   help="snapshot every N prompt tokens of a long prefill (0 = off)")
+    p.add_argument("--prefix-cache-dir", help="persist snapshots here across restarts")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    p.set_defaults(func=cmd_serve)
+
+
 def _add_convert(sub) -> None:
     from conversion import cli as convert_cli
 
@@ -139,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridjax", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_serve(sub)
     _add_convert(sub)
     return parser
 

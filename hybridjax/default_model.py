@@ -13,13 +13,13 @@ import jax
 
 from hybridjax.config import Config, config_from_dict
 from hybridjax.params import Params, init_params
-from hybridjax.tokenizer import Tokenizer, byte_level_tokenizer
+from hybridjax.tokenizer import Tokenizer, char_level_tokenizer
 
 DEFAULT_NAME = "hybridjax-default-tiny"
 DEFAULT_SEED = 0
 DEFAULT_CONFIG = {
     "model_type": "qwen3_5_text",
-    "vocab_size": 272,  # 256 bytes + 3 specials, rounded up
+    "vocab_size": 128,  # the character-level tokenizer's vocabulary
     "hidden_size": 64,
     "intermediate_size": 128,
     "num_hidden_layers": 4,
@@ -35,7 +35,7 @@ DEFAULT_CONFIG = {
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
     "max_position_embeddings": 4096,
     "tie_word_embeddings": True,
-    "eos_token_id": 258,
+    "eos_token_id": 127,
 }
 
 
@@ -43,4 +43,4 @@ DEFAULT_CONFIG = {
 def default_model() -> tuple[Config, Params, Tokenizer]:
     cfg = config_from_dict(DEFAULT_CONFIG)
     params = init_params(jax.random.PRNGKey(DEFAULT_SEED), cfg)
-    return cfg, params, byte_level_tokenizer()
+    return cfg, params, char_level_tokenizer()

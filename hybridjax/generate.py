@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from hybridjax.cache import Cache, init_cache, reserve
+from hybridjax.cache import Cache, KVState, init_cache, reserve
 from hybridjax.config import Config
 from hybridjax.model import forward
 from hybridjax.params import Params
@@ -252,3 +252,55 @@ def stream(
         if t in stops or i == max_new_tokens - 1:
             return
         logits, cache = decode_step_donating(params, tok, cache, cfg)
+
+
+# --- the engine's steps: a fixed batch of slots, rows joining and leaving between steps ----
+
+
+def _sample_and_decode(params, logits, cache, sampler, active, cfg):
+    tok, stepped = next_token(logits, sampler)
+    new_logits, cache = _decode(params, tok, active, cache, cfg)
+    # Only active rows move on; an idle slot keeps its logits, state and sampler untouched.
+    keep = lambda new, old: jnp.where(active.reshape(active.shape + (1,) * (new.ndim - 1)), new, old)  # noqa: E731
+    return tok, keep(new_logits, logits), cache, jax.tree_util.tree_map(keep, stepped, sampler)
+
+
+sample_and_decode_donating = jax.jit(
+    _sample_and_decode, static_argnames="cfg", donate_argnames=("logits", "cache", "sampler")
+)
+sample_and_decode_donating.__doc__ = """(params, logits [B, vocab], cache, sampler, active [B], cfg) ->
+(tokens [B], logits, cache, sampler): draw one token per active row from `logits` and feed it
+back, so the cache always covers every drawn token. Donates logits, cache and sampler."""
+
+
+def _write_row(batch, row_value, row):
+    """Write a batch-of-one pytree into row `row` of a batched pytree with the same structure.
+    A row's KV buffer may be shorter than the batch's: it fills the front (the rest is unused)."""
+    def put(b, r):
+        return jax.lax.dynamic_update_slice(b, r.astype(b.dtype), (row,) + (0,) * (b.ndim - 1))
+
+    return jax.tree_util.tree_map(put, batch, row_value)
+
+
+write_row_donating = jax.jit(_write_row, donate_argnums=0)
+
+
+@functools.partial(jax.jit, static_argnames="capacity")
+def _read_row(cache, row, capacity):
+    def take(x):
+        return jax.lax.dynamic_slice(x, (row,) + (0,) * (x.ndim - 1), (1,) + x.shape[1:])
+
+    layers = []
+    for s in cache.layers:
+        if isinstance(s, KVState):  # keep only the first `capacity` positions
+            cut = lambda x: jax.lax.dynamic_slice(x, (row, 0, 0, 0), (1, capacity) + x.shape[2:])  # noqa: E731
+            layers.append(s.replace(k=cut(s.k), v=cut(s.v)))
+        else:
+            layers.append(jax.tree_util.tree_map(take, s))
+    return cache.replace(layers=tuple(layers), lengths=take(cache.lengths))
+
+
+def read_row(cache: Cache, row: int, capacity: int) -> Cache:
+    """Row `row` of a batched cache as a new batch-of-one cache with KV capacity `capacity`
+    (a copy of that row: the batched cache stays free to be donated)."""
+    return _read_row(cache, jnp.int32(row), min(capacity, cache.capacity))

@@ -153,30 +153,32 @@ def nbytes(tree) -> int:
 # --- random init (tests, benchmarks, the embedded default model) ----------------------
 
 
-def init_params(key: Array, cfg: Config, dtype=jnp.float32) -> Params:
-    """Random params with the shapes of `cfg`.
+def init_params(key, cfg: Config, dtype=jnp.float32) -> Params:
+    """Random params with the shapes of `cfg`, from a PRNG key or an integer seed.
 
-    Norm weights, A_log and dt_bias are drawn away from their usual init values (zeros, ones)
-    so that a model that mishandles them shows it.
+    Drawn with numpy on the host (no per-shape compilation; the same values on every
+    machine). Norm weights, A_log and dt_bias are drawn away from their usual init values
+    (zeros, ones) so that a model that mishandles them shows it.
     """
+    seed = key if isinstance(key, int) else int(np.asarray(jax.random.key_data(key)).ravel()[-1])
+    rng = np.random.default_rng(seed)
     shapes = param_shapes(cfg)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=is_shape)
-    keys = jax.random.split(key, len(leaves))
     out = []
-    for (path, shape), k in zip(leaves, keys):
+    for path, shape in leaves:
         name = getattr(path[-1], "name", "")
-        if name in ("A_log",):
-            x = jnp.log(jax.random.uniform(k, shape, minval=0.5, maxval=8.0))
+        if name == "A_log":
+            x = np.log(rng.uniform(0.5, 8.0, shape))
         elif name == "dt_bias":
-            x = jax.random.uniform(k, shape, minval=-1.0, maxval=1.5)
-        elif "norm" in name:
-            x = 0.2 * jax.random.normal(k, shape) + (1.0 if name == "norm" and _in_gdn(path) else 0.0)
+            x = rng.uniform(-1.0, 1.5, shape)
+        elif name.endswith("norm"):
+            x = 0.2 * rng.standard_normal(shape) + (1.0 if _in_gdn(path) else 0.0)
         else:
             fan_in = shape[-2] if len(shape) >= 2 else shape[0]
             # embed: rows of norm ~1, so tied logits have unit scale
             std = cfg.hidden_size**-0.5 if name == "embed" else fan_in**-0.5
-            x = std * jax.random.normal(k, shape)
-        out.append(x)
+            x = std * rng.standard_normal(shape)
+        out.append(jnp.asarray(x, jnp.float32))
     return cast_params(jax.tree_util.tree_unflatten(treedef, out), dtype)
 
 

@@ -205,3 +205,25 @@ def save_tokenizer(tokenizer: Tokenizer, model_dir: str | Path) -> None:
     (d / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
     if tokenizer.chat_template:
         (d / "chat_template.jinja").write_text(tokenizer.chat_template)
+
+
+# The embedded default model's tokenizer: one token per character, so that decoding then
+# re-encoding any generated ids gives the same ids (a chat's history re-sent by a client
+# hits the snapshot of the response exactly). Its template keeps content verbatim (no trim).
+CHAR_ALPHABET = "".join(chr(c) for c in range(0x20, 0x7F)) + "\n" + "".join(chr(c) for c in range(0xC0, 0xDD))
+DEFAULT_TEMPLATE = CHATML_TEMPLATE.replace(" | trim", "")
+
+
+def char_level_tokenizer() -> Tokenizer:
+    """128 tokens: printable ASCII, newline, 29 Latin-1 letters, ChatML specials; other
+    characters encode as '?'."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+
+    vocab = {ch: i for i, ch in enumerate(CHAR_ALPHABET)}
+    backend = _HFTokenizer(models.WordLevel(vocab=vocab, unk_token="?"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens(list(SPECIALS))
+    special = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None, "unk_token": None}
+    eos = [backend.token_to_id("<|im_end|>"), backend.token_to_id("<|endoftext|>")]
+    return Tokenizer(backend, DEFAULT_TEMPLATE, special, eos)

@@ -1,0 +1,301 @@
+"""The exact-prefix snapshot store.
+
+A snapshot is (tokens, cache, logits after the last token): the cache is a kept reference to
+an immutable value, so storing one costs nothing and restoring one copies nothing. Recurrent
+state cannot be trimmed, so reuse is exact-prefix: `lookup` returns the longest stored
+snapshot whose tokens are a prefix of the request's, within the request's namespace.
+
+Bounds: bytes (a buffer shared by several snapshots is counted once), entry count and age
+(TTL), with least-recently-used eviction. Inserting a prompt snapshot drops the prompt and
+response snapshots it strictly extends when no other request used them and no other entry
+branches from them: the new prompt proves the conversation moved past them (a chat keeps
+its newest turn, branch points survive). A response snapshot supersedes nothing, since the
+next turn may not re-send the response token for token.
+Thread-safe: the engine thread and the HTTP threads may call it concurrently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import pickle
+import threading
+import time
+from collections import Counter, OrderedDict
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import jax
+import numpy as np
+
+from hybridjax.cache import Cache
+
+log = logging.getLogger(__name__)
+
+KINDS = ("prompt", "response", "history", "checkpoint")
+SUPERSEDABLE = ("prompt", "response")
+FILE_SUFFIX = ".snapshot"
+FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass
+class Snapshot:
+    tokens: tuple[int, ...]
+    cache: Cache  # batch of one row, lengths == [len(tokens)]
+    logits: jax.Array  # [vocab] float32: next-token logits after `tokens`
+    namespace: str = ""
+    kind: str = "prompt"
+    created: float = 0.0
+    last_used: float = 0.0
+    hits: int = 0
+
+    def leaves(self) -> list:
+        return jax.tree_util.tree_leaves(self.cache) + [self.logits]
+
+
+@dataclasses.dataclass(frozen=True)
+class Hit:
+    snapshot: Snapshot | None
+    reused: int  # tokens covered by the snapshot (0 on a miss)
+    request_len: int
+
+    @property
+    def exact(self) -> bool:
+        """The snapshot covers the whole request: its stored logits replace any model call."""
+        return self.snapshot is not None and self.reused == self.request_len
+
+
+def _leaf_bytes(x) -> int:
+    return int(x.size) * x.dtype.itemsize
+
+
+class SnapshotStore:
+    def __init__(self, model_id: str, *, max_bytes: int = 1 << 30, max_entries: int = 256, ttl_s: float = 3600.0,
+                 clock=time.monotonic):
+        self.model_id = model_id
+        self.max_bytes, self.max_entries, self.ttl_s = max_bytes, max_entries, ttl_s
+        self.clock = clock
+        self._entries: OrderedDict[tuple[str, tuple[int, ...]], Snapshot] = OrderedDict()  # LRU order
+        self._buffers: dict[int, list] = {}  # id(leaf) -> [refcount, bytes, leaf]
+        self._lock = threading.RLock()
+        self.counters: Counter = Counter()
+
+    # --- accounting -----------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(b for _, b, _ in self._buffers.values())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _ref(self, snap: Snapshot, delta: int) -> None:
+        for leaf in snap.leaves():
+            entry = self._buffers.setdefault(id(leaf), [0, _leaf_bytes(leaf), leaf])
+            entry[0] += delta
+            if entry[0] <= 0:
+                del self._buffers[id(leaf)]
+
+    # --- lookup ---------------------------------------------------------------------
+    def lookup(self, tokens: Sequence[int], namespace: str = "") -> Hit:
+        """The longest snapshot in `namespace` whose tokens are a prefix of `tokens`."""
+        return self.lookup_many([tokens], namespace=[namespace])[0]
+
+    def lookup_many(self, requests: Sequence[Sequence[int]], namespace: Sequence[str]) -> list[Hit]:
+        """One pass over the store for a batch of requests (the engine's admission)."""
+        with self._lock:
+            self._expire()
+            by_ns: dict[str, list[Snapshot]] = {}
+            for (ns, _), snap in self._entries.items():
+                by_ns.setdefault(ns, []).append(snap)
+            hits = []
+            for toks, ns in zip(requests, namespace):
+                toks = tuple(toks)
+                self.counters["lookups"] += 1
+                best = None
+                for snap in by_ns.get(ns, ()):
+                    n = len(snap.tokens)
+                    if n <= len(toks) and (best is None or n > len(best.tokens)) and toks[:n] == snap.tokens:
+                        best = snap
+                if best is None:
+                    self.counters["misses_empty_namespace" if ns not in by_ns else "misses_no_prefix"] += 1
+                    hits.append(Hit(None, 0, len(toks)))
+                    continue
+                best.hits += 1
+                best.last_used = self.clock()
+                self._entries.move_to_end((ns, best.tokens))
+                self.counters["hits"] += 1
+                self.counters["tokens_reused"] += len(best.tokens)
+                if len(best.tokens) == len(toks):
+                    self.counters["exact_hits"] += 1
+                hits.append(Hit(best, len(best.tokens), len(toks)))
+            return hits
+
+    # --- insertion and eviction -------------------------------------------------------
+    def insert(self, tokens: Sequence[int], cache: Cache, logits: jax.Array, *, namespace: str = "",
+               kind: str = "prompt") -> Snapshot:
+        if kind not in KINDS:
+            raise ValueError(f"snapshot kind must be one of {KINDS}, got {kind!r}")
+        tokens = tuple(int(t) for t in tokens)
+        now = self.clock()
+        snap = Snapshot(tokens, cache, logits, namespace, kind, now, now)
+        with self._lock:
+            key = (namespace, tokens)
+            if key in self._entries:  # same tokens: keep the older value (equal by construction)
+                old = self._entries[key]
+                old.last_used = now
+                if kind == "history" or old.kind in SUPERSEDABLE:
+                    old.kind = kind if kind != "checkpoint" else old.kind
+                self._entries.move_to_end(key)
+                return old
+            self._entries[key] = snap
+            self._ref(snap, +1)
+            self.counters["inserts"] += 1
+            if kind == "prompt":
+                self._drop_superseded(snap)
+            self._enforce_bounds()
+            return snap
+
+    def _drop_superseded(self, snap: Snapshot) -> None:
+        ns, toks = snap.namespace, snap.tokens
+        same_ns = [s for (n, _), s in self._entries.items() if n == ns and s is not snap]
+        for old in same_ns:
+            n = len(old.tokens)
+            if old.kind not in SUPERSEDABLE or n >= len(toks) or toks[:n] != old.tokens or old.hits > 1:
+                continue
+            # A branch point: some other entry extends `old` but is not on the new snapshot's path.
+            branches = any(
+                len(o.tokens) > n and o.tokens[:n] == old.tokens and toks[: len(o.tokens)] != o.tokens
+                for o in same_ns if o is not old
+            )
+            if not branches:
+                self._remove((ns, old.tokens), "superseded")
+
+    def _remove(self, key, reason: str) -> None:
+        snap = self._entries.pop(key)
+        self._ref(snap, -1)
+        self.counters[f"evictions_{reason}"] += 1
+
+    def _expire(self) -> None:
+        if self.ttl_s is None:
+            return
+        now = self.clock()
+        for key in [k for k, s in self._entries.items() if now - s.last_used > self.ttl_s]:
+            self._remove(key, "ttl")
+
+    def _enforce_bounds(self) -> None:
+        self._expire()
+        while len(self._entries) > self.max_entries:
+            self._remove(next(iter(self._entries)), "entries")
+        while self._entries and self.nbytes > self.max_bytes:
+            self._remove(next(iter(self._entries)), "bytes")
+
+    def clear(self) -> None:
+        with self._lock:
+            for key in list(self._entries):
+                self._remove(key, "cleared")
+
+    def snapshots(self) -> list[Snapshot]:
+        with self._lock:
+            return list(self._entries.values())
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {**self.counters, "entries": len(self._entries), "bytes": self.nbytes}
+
+    # --- persistence ----------------------------------------------------------------
+    def save(self, directory: str | Path) -> int:
+        """Write every snapshot to `directory` (one file each, written then renamed)."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        written = set()
+        for snap in self.snapshots():
+            name = hashlib.sha256(repr((snap.namespace, snap.tokens)).encode()).hexdigest()[:32] + FILE_SUFFIX
+            payload = {
+                "version": FORMAT_VERSION, "model_id": self.model_id, "namespace": snap.namespace,
+                "kind": snap.kind, "tokens": np.asarray(snap.tokens, np.int32),
+                "cache": jax.tree_util.tree_map(np.asarray, snap.cache), "logits": np.asarray(snap.logits),
+            }
+            tmp = d / (name + ".tmp")
+            with open(tmp, "wb") as f:
+                pickle.dump(payload, f, protocol=pickle.HIGHEST_PROTOCOL)
+            tmp.replace(d / name)
+            written.add(name)
+        for stale in d.glob("*" + FILE_SUFFIX):  # snapshots evicted since the last save
+            if stale.name not in written:
+                stale.unlink()
+        return len(written)
+
+    def load(self, directory: str | Path) -> int:
+        """Load snapshots saved by `save` for this model; skip (with a warning) anything else."""
+        d = Path(directory)
+        loaded = 0
+        for path in sorted(d.glob("*" + FILE_SUFFIX)) if d.is_dir() else []:
+            try:
+                with open(path, "rb") as f:
+                    p = _SafeUnpickler(f).load()
+                if p.get("version") != FORMAT_VERSION or p.get("model_id") != self.model_id:
+                    log.warning("prefix cache: %s belongs to another model or format; skipped", path.name)
+                    continue
+                cache = jax.tree_util.tree_map(jax.numpy.asarray, p["cache"])
+                self.insert(p["tokens"].tolist(), cache, jax.numpy.asarray(p["logits"]),
+                            namespace=p["namespace"], kind=p["kind"])
+                loaded += 1
+            except Exception as e:  # a corrupt file must never stop the server
+                log.warning("prefix cache: %s is unreadable (%s); skipped", path.name, e)
+        return loaded
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    """Only numpy arrays and our cache dataclasses may come out of a snapshot file."""
+
+    ALLOWED = {
+        ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"), ("numpy.core.multiarray", "scalar"),
+        ("numpy._core.multiarray", "scalar"), ("hybridjax.cache", "Cache"), ("hybridjax.cache", "GDNState"),
+        ("hybridjax.cache", "KVState"), ("builtins", "tuple"),
+        # Under pickle protocol 5 (what `save` writes) numpy rebuilds contiguous arrays with
+        # `_frombuffer` (plain bytes + dtype + shape; object dtypes are refused by numpy), so
+        # without it every saved snapshot was rejected on load.
+        ("numpy._core.numeric", "_frombuffer"), ("numpy.core.numeric", "_frombuffer"),
+    }
+
+    def find_class(self, module, name):
+        if (module, name) in self.ALLOWED or module.startswith("numpy.dtypes"):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"forbidden class {module}.{name} in a snapshot file")
+
+
+def model_identity(name: str, cfg, params) -> str:
+    """A fingerprint of the model: config plus a digest of a few weights (cheap, stable)."""
+    h = hashlib.sha256(repr(cfg).encode())
+    h.update(name.encode())
+    for leaf in jax.tree_util.tree_leaves(params)[:8]:
+        h.update(np.asarray(leaf.reshape(-1)[:4096]).tobytes())
+    return h.hexdigest()[:24]
+
+
+def history_boundary(tokenizer, messages: list[dict], prompt_ids: Sequence[int]) -> int | None:
+    """Tokens of the stable chat history: everything before the last user message, if the
+    rendered prompt starts with it and it tokenizes to a prefix of `prompt_ids`."""
+    last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
+    if not last_user:
+        return None
+    try:
+        head = tokenizer.render_chat(messages[:last_user], add_generation_prompt=False)
+    except ValueError:
+        return None
+    ids = tokenizer.encode(head)
+    if 0 < len(ids) < len(prompt_ids) and list(prompt_ids[: len(ids)]) == ids:
+        return len(ids)
+    return None
+
+
+def checkpoint_positions(start: int, end: int, interval: int, extra: Iterable[int] = ()) -> list[int]:
+    """Where to cut a prefill from `start` to `end`: multiples of `interval` and `extra`
+    positions strictly inside (start, end), then `end`."""
+    cuts = set(p for p in extra if start < p < end)
+    if interval > 0:
+        cuts |= set(range((start // interval + 1) * interval, end, interval))
+    return sorted(cuts) + [end]
