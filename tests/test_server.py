@@ -1,0 +1,224 @@
+"""The OpenAI-compatible server over real HTTP on 127.0.0.1, driven by the `openai` client
+and httpx. Servers run in this process (uvicorn in a thread), so compiled functions are
+shared between them; each has its own engine, store and port."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from hybridjax.server import ServerConfig, create_app
+from hybridjax.server.app import build_engine
+
+MODEL = "hybridjax-default-tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RunningServer:
+    def __init__(self, **kw):
+        api_key, cache_dir = kw.get("api_key"), kw.get("cache_dir")
+        self.engine, self.store, name = build_engine(ServerConfig(**kw))
+        app = create_app(self.engine, name, api_key=api_key, cache_dir=cache_dir)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 60
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.05)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key or "none", max_retries=0, timeout=300)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+
+    def metric(self, name: str) -> float:
+        for line in httpx.get(self.url + "/metrics").text.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+
+@pytest.fixture(scope="module")
+def cached():
+    s = RunningServer(slots=4, max_len=512, checkpoint_interval=16)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def uncached():
+    s = RunningServer(slots=4, max_len=512, prefix_cache=False)
+    yield s
+    s.stop()
+
+
+def chat(server, messages, max_tokens=10, **kw):
+    return server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens,
+                                                 temperature=0, **kw)
+
+
+def test_three_turn_chat_reuses_cache_and_matches_cache_off(cached, uncached):
+    history = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello there!"}]
+    covered = 0
+    for turn in range(3):
+        warm, cold = chat(cached, history), chat(uncached, history)
+        text = warm.choices[0].message.content
+        assert text == cold.choices[0].message.content  # greedy output does not depend on the cache
+        assert cold.usage.prompt_tokens_details.cached_tokens == 0
+        if turn:
+            # The whole earlier conversation (prompts and responses) came from snapshots.
+            assert warm.usage.prompt_tokens_details.cached_tokens >= covered > 0
+        covered = warm.usage.prompt_tokens + warm.usage.completion_tokens
+        history += [{"role": "assistant", "content": text}, {"role": "user", "content": f"And turn {turn + 2}?"}]
+
+
+def test_prompt_diverging_in_the_middle_resumes_from_checkpoint(cached):
+    a = list(range(1, 60))
+    b = a[:37] + [90, 91, 92, 93, 94, 95]
+    first = cached.client.completions.create(model=MODEL, prompt=a, max_tokens=3, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    second = cached.client.completions.create(model=MODEL, prompt=b, max_tokens=3, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens == 32  # the checkpoint at 32 <= 37
+
+
+def test_sixteen_concurrent_streams_equal_each_alone(cached, uncached):
+    prompts = [f"Question {i}: {'why ' * (i % 5)}?" for i in range(16)]
+
+    def stream(i):
+        chunks = cached.client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompts[i]}], max_tokens=6 + i % 3,
+            temperature=0, stream=True, extra_body={"cache_salt": f"c{i}"})  # own namespaces
+        parts, usage = [], None
+        for ch in chunks:
+            if ch.choices and ch.choices[0].delta.content:
+                parts.append(ch.choices[0].delta.content)
+            usage = ch.usage or usage
+        return "".join(parts), usage
+
+    with cf.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(stream, range(16)))
+    for i, (text, usage) in enumerate(results):
+        alone = chat(uncached, [{"role": "user", "content": prompts[i]}], max_tokens=6 + i % 3)
+        assert text == alone.choices[0].message.content, i
+        assert usage.completion_tokens == alone.usage.completion_tokens
+
+
+def test_namespaces_are_isolated(cached):
+    msgs = [{"role": "user", "content": "Isolation check, please."}]
+    assert chat(cached, msgs, extra_body={"cache_salt": "alice"}).usage.prompt_tokens_details.cached_tokens == 0
+    assert chat(cached, msgs, extra_body={"cache_salt": "bob"}).usage.prompt_tokens_details.cached_tokens == 0
+    again = chat(cached, msgs, extra_body={"cache_salt": "alice"})
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens  # exact hit
+
+
+def test_errors_have_status_and_message(cached):
+    c, url = cached.client, cached.url
+    with pytest.raises(openai.NotFoundError, match="the model 'nope' does not exist"):
+        c.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], temperature=3)
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError, match="context_length_exceeded|context is 512 tokens"):
+        c.completions.create(model=MODEL, prompt="x" * 600, max_tokens=1)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=MODEL, prompt="x" * 100, max_tokens=500)
+    assert e.value.body["param"] == "max_tokens"
+    r = httpx.post(url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "invalid JSON body" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages")
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [1, 99999], "max_tokens": 2})
+    assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    models = c.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_metrics_expose_store_counters(cached):
+    text = httpx.get(cached.url + "/metrics").text
+    for name in ("hybridjax_prefix_cache_lookups_total", "hybridjax_prefix_cache_hits_total",
+                 "hybridjax_prefix_cache_exact_hits_total", "hybridjax_prefix_cache_tokens_reused_total",
+                 "hybridjax_prefix_cache_tokens_prefilled_total", "hybridjax_prefix_cache_bytes",
+                 "hybridjax_prefix_cache_evictions_total", "hybridjax_prefix_cache_misses_total"):
+        assert name in text, name
+    assert cached.metric("hybridjax_prefix_cache_hits_total") > 0
+
+
+def test_disconnected_stream_frees_its_slot(cached):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Talk for a long time."}], "max_tokens": 400,
+            "stream": True, "temperature": 0}
+    before = cached.metric('hybridjax_requests_finished_total{reason="cancelled"}')
+    with httpx.stream("POST", cached.url + "/v1/chat/completions", json=body, timeout=120) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: ") for line in got)
+    deadline = time.time() + 60
+    while cached.metric("hybridjax_active_slots") > 0:
+        assert time.time() < deadline, "slot not freed after the client went away"
+        time.sleep(0.1)
+    assert cached.metric('hybridjax_requests_finished_total{reason="cancelled"}') == before + 1
+
+
+def test_auth_queue_bound_and_eviction():
+    s = RunningServer(slots=1, max_len=512, max_queue=1, api_key="sekret", cache_entries=2)
+    try:
+        bad = openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError, match="invalid or missing API key"):
+            bad.models.list()
+        # Fill the slot with a long stream, then the queue with one request: the next gets 429.
+        long = {"model": MODEL, "messages": [{"role": "user", "content": "long"}], "max_tokens": 300, "stream": True}
+        headers = {"authorization": "Bearer sekret"}
+        with httpx.stream("POST", s.url + "/v1/chat/completions", json=long, headers=headers, timeout=120) as r:
+            next(r.iter_lines())  # admitted: the slot is busy
+            with cf.ThreadPoolExecutor(1) as pool:
+                waiting = pool.submit(httpx.post, s.url + "/v1/completions", headers=headers, timeout=300,
+                                      json={"model": MODEL, "prompt": "queued", "max_tokens": 2})
+                deadline = time.time() + 30
+                while s.engine.queue_depth < 1:
+                    assert time.time() < deadline
+                    time.sleep(0.02)
+                r429 = httpx.post(s.url + "/v1/completions", headers=headers, json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+                assert r429.status_code == 429 and r429.json()["error"]["code"] == "queue_full"
+        assert waiting.result().status_code == 200
+        for p in ("one", "two", "three"):  # entry bound 2: the oldest goes
+            s.client.completions.create(model=MODEL, prompt=f"eviction {p}", max_tokens=1)
+        assert s.metric('hybridjax_prefix_cache_evictions_total{reason="entries"}') > 0
+        assert s.metric("hybridjax_prefix_cache_entries") <= 2
+    finally:
+        s.stop()
+
+
+def test_snapshots_persist_across_restart(tmp_path):
+    d = str(tmp_path / "snaps")
+    prompt = "Persist me across a restart, please."
+    s = RunningServer(slots=2, max_len=512, cache_dir=d)
+    try:
+        first = s.client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+    finally:
+        s.stop()  # saves on shutdown
+    (tmp_path / "snaps" / "garbage.snapshot").write_bytes(b"not a snapshot")  # skipped with a warning
+    s = RunningServer(slots=2, max_len=512, cache_dir=d)
+    try:
+        again = s.client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+        assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens
+        assert again.choices[0].text == first.choices[0].text
+    finally:
+        s.stop()
