@@ -16,9 +16,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# The main job on the embedded default model (built deterministically on first use).
+# The main job: the OpenAI-compatible server on http://127.0.0.1:8000, serving the embedded
+# default model (tiny, built deterministically on first use). MODEL=dir serves another model.
 run: $(STAMP)
-	$(BIN)/hybridjax generate --prompt "Hello, hybrid world" --max-new-tokens 16
+	$(BIN)/hybridjax serve $(if $(MODEL),--model $(MODEL))
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

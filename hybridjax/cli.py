@@ -131,12 +131,13 @@ def _add_generate(sub) -> None:
 def cmd_serve(args) -> int:
     from hybridjax.server import ServerConfig, serve
 
-    return serve(ServerConfig(
-        model=args.model, host=args.host, port=args.port, slots=args.slots, max_len=args.max_len,
+    sc = ServerConfig(
+        host=args.host, port=args.port, slots=args.slots, max_len=args.max_len,
         max_queue=args.max_queue, prefix_cache=not args.no_prefix_cache, cache_mb=args.cache_mb,
         cache_entries=args.cache_entries, cache_ttl_s=args.cache_ttl, checkpoint_interval=args.checkpoint_interval,
-        cache_dir=args.prefix_cache_dir, api_key=args.api_key, dtype=args.dtype,
-    ))
+        cache_dir=args.prefix_cache_dir, api_key=args.api_key,
+    )
+    return serve(sc, *load_model(args.model, args.dtype))
 
 
 def _add_serve(sub) -> None:

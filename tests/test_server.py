@@ -15,6 +15,7 @@ import openai
 import pytest
 import uvicorn
 
+from hybridjax.cli import load_model
 from hybridjax.server import ServerConfig, create_app
 from hybridjax.server.app import build_engine
 
@@ -30,7 +31,8 @@ def free_port() -> int:
 class RunningServer:
     def __init__(self, **kw):
         api_key, cache_dir = kw.get("api_key"), kw.get("cache_dir")
-        self.engine, self.store, name = build_engine(ServerConfig(**kw))
+        cfg, params, tok, name = load_model(None)
+        self.engine, self.store = build_engine(ServerConfig(**kw), cfg, params, tok, name)
         app = create_app(self.engine, name, api_key=api_key, cache_dir=cache_dir)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -31,7 +31,6 @@ log = logging.getLogger("hybridjax.server")
 
 @dataclasses.dataclass
 class ServerConfig:
-    model: str | None = None  # HF dir or converted checkpoint; None = the embedded default
     host: str = "127.0.0.1"
     port: int = 8000
     slots: int = 4
@@ -44,7 +43,6 @@ class ServerConfig:
     checkpoint_interval: int = 256
     cache_dir: str | None = None
     api_key: str | None = None
-    dtype: str | None = None
 
 
 class APIError(Exception):
@@ -58,13 +56,10 @@ def error_response(status: int, message: str, param=None, code=None, type_="inva
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status)
 
 
-def build_engine(sc: ServerConfig):
-    """(engine, store, served model name) from a ServerConfig."""
-    from hybridjax.cli import load_model
-
-    cfg, params, tokenizer, name = load_model(sc.model, sc.dtype)
+def build_engine(sc: ServerConfig, cfg, params, tokenizer, name: str):
+    """(engine, store) for a loaded model and a ServerConfig."""
     if tokenizer is None:
-        raise ValueError(f"{sc.model}: the server needs a tokenizer.json in the model directory")
+        raise ValueError(f"{name}: the server needs a tokenizer.json in the model directory")
     max_len = min(sc.max_len, cfg.max_position_embeddings)
     store = None
     if sc.prefix_cache:
@@ -72,7 +67,7 @@ def build_engine(sc: ServerConfig):
                               max_entries=sc.cache_entries, ttl_s=sc.cache_ttl_s)
     engine = Engine(cfg, params, tokenizer, slots=sc.slots, max_len=max_len, store=store,
                     checkpoint_interval=sc.checkpoint_interval, max_queue=sc.max_queue)
-    return engine, store, name
+    return engine, store
 
 
 def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, cache_dir: str | None = None) -> FastAPI:
@@ -285,10 +280,11 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def serve(sc: ServerConfig) -> int:
+def serve(sc: ServerConfig, cfg, params, tokenizer, name: str) -> int:
+    """Run the server for a loaded model until interrupted (uvicorn)."""
     import uvicorn
 
-    engine, _, name = build_engine(sc)
+    engine, _ = build_engine(sc, cfg, params, tokenizer, name)
     if sc.cache_dir:
         Path(sc.cache_dir).mkdir(parents=True, exist_ok=True)
     app = create_app(engine, name, api_key=sc.api_key, cache_dir=sc.cache_dir if sc.prefix_cache else None)
