@@ -225,9 +225,14 @@ class Engine:
         self.counters["errors"] += 1
         for row, slot in enumerate(self._rows):
             if slot is not None:
+                slot.handle.finish_reason = "error"  # the server reads it (500, not a 200 with no reason)
                 slot.handle._emit(Event(None, "", "error"))
                 self._rows[row] = None
         self._cache = init_cache(self.cfg, self.slots, self.max_len)
+        # The step donates logits and sampler too: if it failed after donating, they are deleted
+        # buffers and every later step would fail. Rebuild them so the worker keeps serving.
+        self._logits = jnp.zeros((self.slots, self.cfg.vocab_size), jnp.float32)
+        self._sampler = init_sampler(sampling_params(self.slots), [0] * self.slots, self.cfg.vocab_size)
 
     def _admit(self) -> None:
         free = [i for i, r in enumerate(self._rows) if r is None]
@@ -245,6 +250,7 @@ class Engine:
             except Exception as e:
                 log.exception("admission failed")
                 self.counters["errors"] += 1
+                handle.finish_reason = "error"  # as in _fail_all: the handle must say how it ended
                 handle._emit(Event(None, "", "error"))
 
     def _drop_if_cancelled(self, handle: RequestHandle) -> bool:
@@ -320,21 +326,18 @@ class Engine:
         h, req = slot.handle, slot.handle.request
         h.token_ids.append(token)
         self.counters["tokens_generated"] += 1
-        finish = None
-        if token in req.stop_ids:
-            finish = "stop"
-        text = slot.decoder.push(token) if slot.decoder and finish is None else ""
-        pending = slot.held_text + text
-        if req.stop_strings:
-            cut = min((pending.find(s) for s in req.stop_strings if s in pending), default=-1)
-            if cut >= 0:
-                pending, finish = pending[:cut], "stop"
-            send, slot.held_text = (pending, "") if finish else _safe_split(pending, req.stop_strings)
+        stopped = token in req.stop_ids  # a stop token ends the response and is not part of its text
+        text = slot.held_text + (slot.decoder.push(token) if slot.decoder and not stopped else "")
+        done = stopped or len(h.token_ids) >= req.max_tokens or length >= self.max_len
+        if done and slot.decoder:
+            text += slot.decoder.flush()
+        cut = min((text.find(s) for s in req.stop_strings if s in text), default=-1)
+        if cut >= 0:
+            text, finish = text[:cut], "stop"
         else:
-            send = pending
-        if finish is None and (len(h.token_ids) >= req.max_tokens or length >= self.max_len):
-            finish = "length"
-            send += slot.held_text + (slot.decoder.flush() if slot.decoder else "")
+            finish = "stop" if stopped else ("length" if done else None)
+        # Text that may be the start of a stop string waits for the next token.
+        send, slot.held_text = (text, "") if finish else _safe_split(text, req.stop_strings)
         h.text += send
         h._emit(Event(token, send, None))
         if finish:

@@ -134,7 +134,7 @@ class SnapshotStore:
 
     # --- insertion and eviction -------------------------------------------------------
     def insert(self, tokens: Sequence[int], cache: Cache, logits: jax.Array, *, namespace: str = "",
-               kind: str = "prompt") -> Snapshot:
+               kind: str = "prompt", supersede: bool = True) -> Snapshot:
         if kind not in KINDS:
             raise ValueError(f"snapshot kind must be one of {KINDS}, got {kind!r}")
         tokens = tuple(int(t) for t in tokens)
@@ -152,7 +152,7 @@ class SnapshotStore:
             self._entries[key] = snap
             self._ref(snap, +1)
             self.counters["inserts"] += 1
-            if kind == "prompt":
+            if kind == "prompt" and supersede:
                 self._drop_superseded(snap)
             self._enforce_bounds()
             return snap
@@ -239,8 +239,9 @@ class SnapshotStore:
                     log.warning("prefix cache: %s belongs to another model or format; skipped", path.name)
                     continue
                 cache = jax.tree_util.tree_map(jax.numpy.asarray, p["cache"])
+                # What survived before the restart survives it: no supersession while loading.
                 self.insert(p["tokens"].tolist(), cache, jax.numpy.asarray(p["logits"]),
-                            namespace=p["namespace"], kind=p["kind"])
+                            namespace=p["namespace"], kind=p["kind"], supersede=False)
                 loaded += 1
             except Exception as e:  # a corrupt file must never stop the server
                 log.warning("prefix cache: %s is unreadable (%s); skipped", path.name, e)

@@ -1,0 +1,335 @@
+"""The engine on the embedded default model: greedy parity with the cold path (`generate`) with
+the snapshot store off and on, turn-to-turn and checkpoint reuse, exact repeats, batching
+independence, seeded sampling, stop conditions, cancellation, failures and admission errors.
+
+JAX compiles once per shape (~5-25 s each on 2 cores), so the engines are module-scoped and
+share every compiled function, and all shapes are pinned: every prompt is 17..32 tokens (one
+prefill bucket, suffixes and checkpoint chunks in the 16 bucket), every prompt + max_tokens
+fits the first 64-token KV bucket, and the cold path always asks for the same 16 new tokens
+(greedy tokens of a shorter request are a prefix of those).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import pytest
+
+import hybridjax.engine as engine_module
+from hybridjax.default_model import default_model
+from hybridjax.engine import Engine, GenerationRequest, QueueFull
+from hybridjax.generate import generate
+from hybridjax.prefix_cache import SnapshotStore
+from hybridjax.sampling import sampling_params
+
+SLOTS, MAX_LEN, COLD_NEW = 4, 256, 16
+TIMEOUT = 300  # seconds for one request (the first ones include compilation)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return default_model()
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    """Store on, no checkpoint interval."""
+    cfg, params, tok = model
+    eng = Engine(cfg, params, tok, slots=SLOTS, max_len=MAX_LEN, store=SnapshotStore("test")).start()
+    yield eng
+    eng.stop()
+
+
+@pytest.fixture(scope="module")
+def engine_nostore(model):
+    cfg, params, tok = model
+    eng = Engine(cfg, params, tok, slots=SLOTS, max_len=MAX_LEN, store=None).start()
+    yield eng
+    eng.stop()
+
+
+@pytest.fixture(scope="module")
+def engine_ckpt(model):
+    """Store on, a snapshot every 16 prefilled tokens."""
+    cfg, params, tok = model
+    eng = Engine(cfg, params, tok, slots=SLOTS, max_len=MAX_LEN, store=SnapshotStore("test"),
+                 checkpoint_interval=16).start()
+    yield eng
+    eng.stop()
+
+
+def enc(text: str) -> list[int]:
+    return default_model()[2].encode(text)
+
+
+def ids(text: str) -> list[int]:
+    """A prompt in the one prefill bucket the tests use (byte-level: one token per byte)."""
+    p = enc(text)
+    assert 17 <= len(p) <= 32, (text, len(p))
+    return p
+
+
+@functools.lru_cache(maxsize=None)
+def _cold(prompt: tuple, seed: int, temperature: float) -> tuple:
+    cfg, params, _ = default_model()
+    sp = sampling_params(1, temperature=temperature)
+    g = generate(params, cfg, [list(prompt)], max_new_tokens=COLD_NEW, max_len=MAX_LEN, seeds=[seed], sampling=sp)
+    return tuple(g.token_lists()[0])
+
+
+def cold(prompt, n: int, *, seed: int = 0, temperature: float = 0.0) -> list[int]:
+    """The first n tokens `hybridjax.generate.generate` gives for `prompt` alone, from scratch."""
+    assert n <= COLD_NEW and len(prompt) <= 32
+    return list(_cold(tuple(prompt), seed, temperature)[:n])
+
+
+def collect(handle, timeout: float = TIMEOUT):
+    """Drain a handle's events, check they agree with the handle, return the handle."""
+    events = list(handle.events(timeout=timeout))
+    assert events[-1].finish_reason is not None and events[-1].token_id is None
+    assert all(e.finish_reason is None for e in events[:-1])
+    assert [e.token_id for e in events[:-1]] == handle.token_ids
+    assert "".join(e.text for e in events) == handle.text
+    assert handle.finish_reason == events[-1].finish_reason
+    return handle
+
+
+def run(eng: Engine, prompt, max_tokens: int, **kw):
+    return collect(eng.submit(GenerationRequest(list(prompt), max_tokens=max_tokens, **kw)))
+
+
+def prefilled(eng: Engine) -> int:
+    return eng.store.counters["tokens_prefilled"]
+
+
+# --- parity with the cold path ------------------------------------------------------------
+
+
+def test_greedy_equals_cold_path_with_store_off_and_on(engine, engine_nostore, model):
+    tok = model[2]
+    p = ids("Parity: store off, store on.")
+    off = run(engine_nostore, p, 12)
+    on = run(engine, p, 12)
+    assert off.token_ids == on.token_ids == cold(p, 12)
+    assert off.finish_reason == on.finish_reason == "length"
+    assert off.cached_tokens == on.cached_tokens == 0
+    assert on.prompt_tokens == len(p)
+    assert on.text == tok.decode(on.token_ids)
+
+
+def test_later_turns_resume_after_the_previous_response(engine):
+    p1 = ids("Turn one: hi there")
+    r1 = run(engine, p1, 4)
+    assert r1.token_ids == cold(p1, 4) and r1.cached_tokens == 0
+
+    p2 = p1 + r1.token_ids + enc("ok?")
+    before = prefilled(engine)
+    r2 = run(engine, p2, 4)
+    assert r2.cached_tokens == len(p1) + len(r1.token_ids)
+    assert prefilled(engine) - before == 3  # only the new text
+    assert r2.token_ids == cold(p2, 4)
+
+    p3 = p2 + r2.token_ids + enc("bye")
+    r3 = run(engine, p3, 4)
+    assert r3.cached_tokens == len(p2) + len(r2.token_ids)
+    assert r3.token_ids == cold(p3, 4)
+
+
+def test_an_exact_repeat_costs_no_prefill(engine):
+    p = ids("Repeat me exactly!!")
+    first = run(engine, p, 8)
+    before, exact = prefilled(engine), engine.store.counters["exact_hits"]
+    again = run(engine, p, 8)
+    assert again.cached_tokens == len(p)
+    assert prefilled(engine) == before
+    assert engine.store.counters["exact_hits"] == exact + 1
+    assert again.token_ids == first.token_ids == cold(p, 8)
+
+    # re-sending prompt + response exactly resumes from the response snapshot, no prefill either
+    cont = p + first.token_ids
+    more = run(engine, cont, 4)
+    assert more.cached_tokens == len(cont) and prefilled(engine) == before
+    assert more.token_ids == cold(cont, 4)
+
+
+def test_a_prompt_diverging_in_the_middle_resumes_from_the_last_checkpoint(engine_ckpt):
+    a = ids("Checkpoints every sixteen tokens")
+    assert len(a) == 32
+    first = run(engine_ckpt, a, 4)
+    assert first.cached_tokens == 0 and first.token_ids == cold(a, 4)
+
+    for diverge in (25, 16, 31):  # first differing position
+        b = a[:diverge] + enc("#other tail for this one")[: max(30 - diverge, 1)]
+        assert b[:diverge] == a[:diverge] and b[diverge] != a[diverge]
+        before = prefilled(engine_ckpt)
+        h = run(engine_ckpt, b, 6)
+        assert h.cached_tokens == diverge // 16 * 16, diverge
+        assert prefilled(engine_ckpt) - before == len(b) - h.cached_tokens
+        assert h.token_ids == cold(b, 6), diverge
+
+
+# --- batching -------------------------------------------------------------------------------
+
+
+def test_concurrent_requests_equal_each_run_alone(engine, engine_nostore):
+    texts = [f"Concurrent request {i}: {'xyzw'[i % 4] * (i + 1)}" for i in range(8)]
+    max_tokens = [3, 16, 5, 11, 8, 2, 14, 7]
+    sampled = {2: (1234, 0.9), 5: (7, 1.3), 6: (99, 0.7)}  # row -> (seed, temperature)
+    reqs = []
+    for i, (text, n) in enumerate(zip(texts, max_tokens)):
+        seed, temp = sampled.get(i, (0, 0.0))
+        reqs.append(GenerationRequest(ids(text), max_tokens=n, seed=seed, temperature=temp))
+    handles = [engine.submit(r) for r in reqs]  # 8 requests, 4 slots: some wait
+    for h in handles:
+        collect(h)
+    for i, (h, r) in enumerate(zip(handles, reqs)):
+        assert h.finish_reason == "length" and len(h.token_ids) == r.max_tokens
+        assert h.token_ids == cold(r.prompt_ids, r.max_tokens, seed=r.seed, temperature=r.temperature), i
+
+    # a seeded sampled request alone (another engine, no store) draws the same tokens
+    for i in sampled:
+        alone = run(engine_nostore, reqs[i].prompt_ids, reqs[i].max_tokens, seed=reqs[i].seed,
+                    temperature=reqs[i].temperature)
+        assert alone.token_ids == handles[i].token_ids
+    # and another seed draws others
+    other = run(engine_nostore, reqs[6].prompt_ids, 14, seed=100, temperature=0.7)
+    assert other.token_ids != handles[6].token_ids
+
+
+# --- stop conditions ------------------------------------------------------------------------
+
+
+def test_stop_ids_stop_strings_and_max_tokens(engine_nostore):
+    p = ids("Stops: where does it end?")
+    full = run(engine_nostore, p, 16)
+    assert full.finish_reason == "length" and len(full.token_ids) == 16
+
+    # stop ids: the run ends at the first occurrence, the stop token is the last token
+    stop_id = full.token_ids[5]
+    first = full.token_ids.index(stop_id)
+    h = run(engine_nostore, p, 16, stop_ids=(stop_id, 999))
+    assert h.finish_reason == "stop" and h.token_ids == full.token_ids[: first + 1]
+    assert full.text.startswith(h.text)
+
+    # stop strings: the text is cut before the stop string, which is never emitted
+    windows = [full.text[j:j + 2] for j in range(1, len(full.text) - 1)]
+    stop = next(w for w in windows if "\ufffd" not in w)
+    cut = full.text.find(stop)
+    h = run(engine_nostore, p, 16, stop_strings=(stop, "never seen \u2603"))
+    assert h.finish_reason == "stop"
+    assert h.text == full.text[:cut] and stop not in h.text
+    assert h.token_ids == full.token_ids[: len(h.token_ids)] and len(h.token_ids) < 16
+
+    # max_tokens
+    h = run(engine_nostore, p, 3)
+    assert h.finish_reason == "length" and h.token_ids == full.token_ids[:3]
+
+
+# --- cancellation ---------------------------------------------------------------------------
+
+
+def _wait(pred, timeout: float = 30.0) -> bool:
+    end = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def test_cancel_frees_the_slot_for_a_waiting_request(engine_nostore):
+    eng = engine_nostore
+    assert _wait(lambda: eng.active_slots == 0 and eng.queue_depth == 0)
+    # alone: cancel after the first token
+    h = eng.submit(GenerationRequest(ids("Cancel me after one token"), max_tokens=40))
+    events = h.events(timeout=TIMEOUT)
+    assert next(events).token_id is not None
+    h.cancel()
+    rest = list(events)
+    assert rest[-1].finish_reason == "cancelled" == h.finish_reason
+    assert len(h.token_ids) < 40
+    assert eng.active_slots == 0  # the row is freed before the final event is sent
+
+    # full: four long requests hold every slot, a fifth waits until one is cancelled; a sixth,
+    # cancelled while it waits, is dropped when it reaches a free slot, without taking it
+    longs = [eng.submit(GenerationRequest(ids(f"Long running request {i}!"), max_tokens=40)) for i in range(SLOTS)]
+    waiting = eng.submit(GenerationRequest(ids("I wait for a free slot"), max_tokens=4))
+    dropped = eng.submit(GenerationRequest(ids("Cancelled before admission"), max_tokens=4))
+    dropped.cancel()
+    for x in longs:
+        assert x.admitted.wait(TIMEOUT)
+    assert not waiting.admitted.is_set() and eng.active_slots == SLOTS and eng.queue_depth == 2
+    longs[0].cancel()
+    assert waiting.admitted.wait(30)
+    collect(longs[0])
+    assert longs[0].finish_reason == "cancelled" and len(longs[0].token_ids) < 40
+    for x in longs[1:] + [waiting]:
+        assert collect(x).finish_reason == "length"
+    collect(dropped)
+    assert dropped.finish_reason == "cancelled" and dropped.token_ids == [] and not dropped.admitted.is_set()
+    assert _wait(lambda: eng.active_slots == 0 and eng.queue_depth == 0)
+
+
+# --- failures ------------------------------------------------------------------------------
+
+
+def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(engine_nostore, monkeypatch, caplog):
+    eng = engine_nostore
+    assert _wait(lambda: eng.active_slots == 0)
+    real = engine_module.sample_and_decode_donating
+    calls = []
+
+    def fail_after_donating(params, logits, cache, sampler, active, cfg):
+        if not calls:  # the worst case: the donated inputs are gone when the error surfaces
+            calls.append(1)
+            for x in [logits, *jax.tree_util.tree_leaves(cache), *jax.tree_util.tree_leaves(sampler)]:
+                x.delete()
+            raise RuntimeError("injected step failure")
+        return real(params, logits, cache, sampler, active, cfg)
+
+    monkeypatch.setattr(engine_module, "sample_and_decode_donating", fail_after_donating)
+    errors = eng.counters["errors"]
+    p = ids("This step will fail, sorry")
+    h = run(eng, p, 4)
+    assert h.finish_reason == "error" and h.token_ids == [] and eng.counters["errors"] == errors + 1
+    assert "engine step failed" in caplog.text
+    again = run(eng, p, 4)
+    assert again.finish_reason == "length" and again.token_ids == cold(p, 4)
+
+
+def test_a_failed_admission_fails_that_request_only(engine, monkeypatch):
+    real = engine.store.insert
+
+    def failing_insert(*a, **kw):
+        raise RuntimeError("injected store failure")
+
+    monkeypatch.setattr(engine.store, "insert", failing_insert)
+    p = ids("Admission fails for this one")
+    h = run(engine, p, 4)
+    assert h.finish_reason == "error" and h.token_ids == []
+    monkeypatch.setattr(engine.store, "insert", real)
+    ok = run(engine, p, 4)
+    assert ok.finish_reason == "length" and ok.token_ids == cold(p, 4) and ok.cached_tokens == 0
+
+
+# --- admission errors -----------------------------------------------------------------------
+
+
+def test_queue_bound_and_context_errors(model):
+    cfg, params, tok = model
+    eng = Engine(cfg, params, tok, slots=2, max_len=64, max_queue=3)  # never started: nothing is admitted
+    for _ in range(3):
+        eng.submit(GenerationRequest([1, 2, 3], max_tokens=4))
+    with pytest.raises(QueueFull, match="queue is full"):
+        eng.submit(GenerationRequest([1, 2, 3], max_tokens=4))
+    assert eng.queue_depth == 3 and eng.counters["rejected_queue_full"] == 1
+
+    with pytest.raises(ValueError, match=r"prompt \(64 tokens\).*context length 64"):
+        eng.submit(GenerationRequest([1] * 64, max_tokens=1))
+    with pytest.raises(ValueError, match=r"max_tokens \(20\) exceeds the context length 64"):
+        eng.submit(GenerationRequest([1] * 50, max_tokens=20))
+    with pytest.raises(ValueError, match="empty"):
+        eng.submit(GenerationRequest([], max_tokens=4))
+    assert eng.queue_depth == 3
