@@ -124,6 +124,15 @@ class _Slot:
     held_text: str = ""  # decoded text not yet sent (it may be the start of a stop string)
 
 
+def _shared_prefix(others: Sequence[GenerationRequest], req: GenerationRequest) -> int:
+    """The longest prefix `req`'s prompt shares with a prompt of `others` in its namespace."""
+    def common(a, b):
+        n = min(len(a), len(b))
+        return next((i for i in range(n) if a[i] != b[i]), n)
+
+    return max((common(o.prompt_ids, req.prompt_ids) for o in others if o.namespace == req.namespace), default=0)
+
+
 def _safe_split(text: str, stops: Sequence[str]) -> tuple[str, str]:
     """(text that can be sent, tail that may still grow into a stop string)."""
     hold = 0
@@ -244,9 +253,14 @@ class Engine:
         reqs = [h.request for h in batch]
         hits = (self.store.lookup_many([r.prompt_ids for r in reqs], [r.namespace for r in reqs])
                 if self.store is not None else [None] * len(batch))
-        for handle, hit, row in zip(batch, hits, free):
+        for k, (handle, hit, row) in enumerate(zip(batch, hits, free)):
             try:
-                self._start(handle, hit, row)
+                if self.store is not None and _shared_prefix(reqs[:k], reqs[k]) > hit.reused:
+                    # An earlier request of this batch has just stored a longer shared prefix.
+                    hit = self.store.lookup(reqs[k].prompt_ids, reqs[k].namespace)
+                # Requests admitted together that share a prefix: the first one snapshots it.
+                shared = _shared_prefix(reqs[k + 1 :], reqs[k]) if self.store is not None else 0
+                self._start(handle, hit, row, shared)
             except Exception as e:
                 log.exception("admission failed")
                 self.counters["errors"] += 1
@@ -260,7 +274,7 @@ class Engine:
             return True
         return False
 
-    def _prefill_with_snapshots(self, req: GenerationRequest, hit) -> tuple[jax.Array, Cache]:
+    def _prefill_with_snapshots(self, req: GenerationRequest, hit, shared: int = 0) -> tuple[jax.Array, Cache]:
         """(logits [vocab], batch-of-one cache) after the prompt, reusing `hit`, taking
         snapshots at checkpoint positions, the end of the history and the end of the prompt."""
         prompt = req.prompt_ids
@@ -270,7 +284,7 @@ class Engine:
             start, cache = hit.reused, hit.snapshot.cache
         else:
             start, cache = 0, init_cache(self.cfg, 1, self.max_len)
-        extra = [req.history_len] if req.history_len else []
+        extra = [p for p in (req.history_len, shared) if p]
         logits = None
         for cut in checkpoint_positions(start, len(prompt), self.checkpoint_interval, extra):
             tokens, counts = pad_prompts([prompt[start:cut]])
@@ -284,10 +298,10 @@ class Engine:
             start = cut
         return logits, cache
 
-    def _start(self, handle: RequestHandle, hit, row: int) -> None:
+    def _start(self, handle: RequestHandle, hit, row: int, shared: int = 0) -> None:
         req = handle.request
         handle.cached_tokens = hit.reused if hit is not None else 0
-        logits, row_cache = self._prefill_with_snapshots(req, hit)
+        logits, row_cache = self._prefill_with_snapshots(req, hit, shared)
         if row_cache.capacity > self._cache.capacity:
             self._cache = with_capacity(self._cache, row_cache.capacity)
         self._cache, self._logits = write_row_donating(

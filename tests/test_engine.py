@@ -333,3 +333,22 @@ def test_queue_bound_and_context_errors(model):
     with pytest.raises(ValueError, match="empty"):
         eng.submit(GenerationRequest([], max_tokens=4))
     assert eng.queue_depth == 3
+
+
+def test_requests_admitted_together_share_their_common_prefix(model):
+    """Four requests with one shared prefix arrive at once: the first snapshots the shared
+    part, the other three resume from it (and still equal the cold path)."""
+    cfg, params, tok = model
+    eng = Engine(cfg, params, tok, slots=SLOTS, max_len=MAX_LEN, store=SnapshotStore("test"))
+    base = enc("One shared system prompt. ")
+    handles = [eng.submit(GenerationRequest(ids(f"One shared system prompt. q{i}"), max_tokens=3)) for i in range(SLOTS)]
+    eng.start()  # all four are waiting: one admission pass takes them together
+    try:
+        for h in handles:
+            collect(h)
+    finally:
+        eng.stop()
+    shared = len(base) + 1  # "q" too
+    assert [h.cached_tokens for h in handles] == [0] + [shared] * (SLOTS - 1)
+    for h in handles:
+        assert h.token_ids == cold(h.request.prompt_ids, 3)
