@@ -207,3 +207,21 @@ def test_cli_default_model_runs(capsys):
     assert main(["generate", "--prompt", "Hello", "--max-new-tokens", "5", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["token_ids"]) == 5 and len(out["prompt_token_ids"]) == 5
+
+
+def test_donation_rule(loaded):
+    """Only `..._donating` functions donate; `stream` from a kept cache leaves it intact."""
+    from hybridjax.generate import decode_step, decode_step_donating, prefill
+
+    cfg, params = loaded["qwen3_5_dense"]
+    prompt = prompts_for(cfg, [7], seed=15)[0]
+    _, kept = prefill(params, np.array([prompt]), hybridjax.init_cache(cfg, 1, 64), cfg)
+    before = [np.array(x) for x in jax.tree_util.tree_leaves(kept)]
+    tok = jnp.array([3], jnp.int32)
+    _, fresh = decode_step(params, tok, kept, cfg)  # no donation: kept stays alive
+    assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(kept))
+    list(stream(params, cfg, [5, 6], max_new_tokens=4, cache=kept))  # first step from a snapshot
+    for x, y in zip(before, jax.tree_util.tree_leaves(kept)):
+        np.testing.assert_array_equal(x, np.asarray(y))
+    _, _ = decode_step_donating(params, tok, fresh, cfg)  # fresh is held by nobody: donated
+    assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(fresh.layers))
