@@ -8,14 +8,16 @@ memory stays near one tensor beyond the loaded model. Every problem with the che
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes  # noqa: F401  registers bfloat16 / float8 with numpy
 import numpy as np
 from safetensors import safe_open
 
@@ -28,6 +30,14 @@ log = logging.getLogger(__name__)
 
 class CheckpointError(ValueError):
     """A checkpoint that does not match its config; the message names the tensors."""
+
+
+# safetensors dtype tags -> numpy dtype names (bfloat16 and float8 come from ml_dtypes).
+_ST_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
+    "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
+}
 
 
 def _shard_map(model_dir: Path) -> dict[str, Path]:
@@ -69,6 +79,12 @@ class TensorReader:
 
     def get(self, name: str) -> np.ndarray:
         return self._handle(name).get_tensor(name)
+
+    def dtype(self, name: str) -> np.dtype:
+        return np.dtype(_ST_DTYPES[self._handle(name).get_slice(name).get_dtype()])
+
+    def nbytes(self, name: str) -> int:
+        return int(np.prod(self.shape(name), dtype=np.int64)) * self.dtype(name).itemsize
 
     def _handle(self, name: str):
         path = self.shards[name]
@@ -151,25 +167,81 @@ def to_device(path: str, arr: np.ndarray, dtype) -> jax.Array:
     return jnp.asarray(arr)
 
 
-def load_hf(model_dir: str | Path, dtype="float32") -> tuple[Config, Params]:
-    """Read an HF model directory into (Config, Params), casting weights to `dtype`.
+@dataclasses.dataclass
+class HFSource:
+    """An HF directory checked against its config.json: the rules that read it and an open
+    reader (close it, or use the source as a context manager)."""
 
-    The gate parameters (A_log, dt_bias) stay float32. `mtp.*` tensors are kept verbatim
-    in `params.extra`; vision-tower tensors of multimodal checkpoints are skipped.
-    """
+    cfg: Config
+    rules: list[Rule]
+    reader: TensorReader
+    names: set[str]
+
+    @property
+    def kept(self) -> list[str]:
+        """Tensors carried verbatim into `params.extra` (mtp.*)."""
+        return sorted(n for n in self.names if n.startswith(KEPT_PREFIXES))
+
+    @property
+    def dropped(self) -> list[str]:
+        """Tensors left out on purpose: the vision tower, a tied checkpoint's lm_head copy."""
+        read = {n for r in self.rules for n in r.hf}
+        return sorted(n for n in self.names - read if not n.startswith(KEPT_PREFIXES))
+
+    def stored_dtype(self) -> np.dtype:
+        """The dtype of the embedding table, taken as the checkpoint's dtype."""
+        return self.reader.dtype(self.rules[0].hf[0])
+
+    def nbytes(self) -> int:
+        """Bytes that loading reads: every rule's tensors plus the kept ones."""
+        return sum(self.reader.nbytes(n) for r in self.rules for n in r.hf) + sum(map(self.reader.nbytes, self.kept))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.reader.close()
+
+
+def open_hf(model_dir: str | Path) -> HFSource:
+    """Read config.json and the shard index of an HF directory and check the tensor names."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"model directory not found: {model_dir}")
     cfg = load_config(model_dir)
-    dtype = jnp.dtype(dtype)
     shards, reader = read_hf_tensors(model_dir)
     names = set(shards)
     rules = rules_for(cfg, text_root(names), has_fused_experts(names))
-    with reader:
+    try:
         _check(rules, names, reader, cfg)
-        leaves = {path: to_device(path, arr, dtype) for path, arr in iter_params(rules, reader, cfg)}
-        extra = {n: jnp.asarray(reader.get(n)) for n in sorted(names) if n.startswith(KEPT_PREFIXES)}
-    skipped = [n for n in names if n.startswith(IGNORED_PREFIXES)]
+    except CheckpointError:
+        reader.close()
+        raise
+    return HFSource(cfg, rules, reader, names)
+
+
+def load_hf(model_dir: str | Path, dtype="float32", progress: Callable[[int], None] | None = None) -> tuple[Config, Params]:
+    """Read an HF model directory into (Config, Params), casting weights to `dtype`
+    (None: the checkpoint's own dtype).
+
+    The gate parameters (A_log, dt_bias) stay float32. `mtp.*` tensors are kept verbatim
+    in `params.extra`; vision-tower tensors of multimodal checkpoints are skipped.
+    `progress(nbytes)`, if given, is called after each tensor is read.
+    """
+    with open_hf(model_dir) as src:
+        cfg, reader = src.cfg, src.reader
+        dtype = src.stored_dtype() if dtype is None else jnp.dtype(dtype)
+        leaves = {}
+        for path, arr in iter_params(src.rules, reader, cfg):
+            leaves[path] = to_device(path, arr, dtype)
+            if progress:
+                progress(arr.nbytes)  # transforms keep size and dtype: these add up to the bytes read
+        extra = {}
+        for n in src.kept:
+            extra[n] = jnp.asarray(reader.get(n))
+            if progress:
+                progress(reader.nbytes(n))
+        skipped = [n for n in src.names if n.startswith(IGNORED_PREFIXES)]
     if skipped:
         log.info("skipped %d non-text tensors (%s...)", len(skipped), IGNORED_PREFIXES[0])
     return cfg, assemble(cfg, leaves, extra)

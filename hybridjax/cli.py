@@ -10,6 +10,7 @@ Every error is one line on stderr and a non-zero exit code.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -51,7 +52,8 @@ def load_model(model: str | None, dtype: str | None = None):
     path = Path(model)
     if not path.is_dir():
         raise CLIError(f"model directory not found: {model}")
-    cfg, params = hybridjax.load(path, dtype=dtype)
+    # On CPU 16-bit matmuls are slow (DESIGN.md, known traps): compute in float32 unless asked.
+    cfg, params = hybridjax.load(path, dtype=dtype or "float32")
     tok = Tokenizer.from_dir(path, cfg.eos_token_id) if (path / "tokenizer.json").is_file() else None
     return cfg, params, tok, path.name
 
@@ -122,7 +124,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                   help="weights dtype (default: float32 for HF dirs, stored dtype for checkpoints)")
+                   help="weights dtype (default: float32, the fast choice on CPU)")
     p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
     p.add_argument("--json", action="store_true", help='print {"prompt_token_ids", "token_ids", "text"}')
     p.set_defaults(func=cmd_generate)
@@ -160,12 +162,32 @@ def _add_serve(sub) -> None:
     p.set_defaults(func=cmd_serve)
 
 
+@functools.lru_cache(maxsize=None)
+def _jitted_forward():
+    import jax
+
+    import hybridjax
+
+    return jax.jit(hybridjax.forward, static_argnames=("cfg",))
+
+
+def model_logits(cfg, params, tokens):
+    """float32 logits [1, T, vocab] on tokens [1, T] from an empty cache (convert --verify)."""
+    import numpy as np
+
+    import hybridjax
+
+    cache = hybridjax.reserve(hybridjax.init_cache(cfg, 1, tokens.shape[1]), tokens.shape[1])
+    logits, _ = _jitted_forward()(params, tokens, cache, cfg)
+    return np.asarray(logits, np.float32)
+
+
 def _add_convert(sub) -> None:
     from conversion import cli as convert_cli
 
     p = sub.add_parser("convert", help="convert HF safetensors <-> hybridjax checkpoints")
     convert_cli.add_arguments(p)
-    p.set_defaults(func=convert_cli.run)
+    p.set_defaults(func=functools.partial(convert_cli.run, logits_fn=model_logits))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,357 @@
+"""`hybridjax convert`: HF -> checkpoint -> HF round trips, loading both kinds, every error.
+
+Round trips must be bit-identical: the transforms of conversion/names.py are exact inverses
+(transposes, reshapes, splits, stacks) and nothing is cast when the dtype is kept. The one
+deliberate loss: the multimodal Qwen3.5's vision tower (`model.visual.*`) is not part of the
+text model, so it is dropped on the way in (the CLI says so) and left out of the comparison.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
+
+import conversion
+import hf_models
+import hybridjax
+from conversion import checkpoint as ckpt_mod
+from conversion import to_hf as to_hf_mod
+from conversion import cli as convert_cli
+from hybridjax.cli import model_logits
+
+
+def main(argv):
+    return convert_cli.main(argv, logits_fn=model_logits)
+
+ARCHS = ["qwen3_next_moe", "qwen3_5_dense", "qwen3_5_multimodal", "qwen3_5_moe"]
+VISION = "model.visual."
+
+
+def convert(hf_dir, out, *extra) -> Path:
+    assert main(["--hf-dir", str(hf_dir), "--out", str(out), "--quiet", *extra]) == 0
+    return Path(out)
+
+
+def export(ckpt, out, *extra) -> Path:
+    assert main(["--to-hf", "--checkpoint", str(ckpt), "--out", str(out), "--quiet", *extra]) == 0
+    return Path(out)
+
+
+def hf_tensors(d: Path) -> dict[str, np.ndarray]:
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        with safe_open(f, framework="numpy") as h:
+            out.update({k: h.get_tensor(k) for k in h.keys()})
+    return out
+
+
+def assert_bit_identical(src: Path, dst: Path) -> int:
+    a, b = hf_tensors(src), hf_tensors(dst)
+    text = {k: v for k, v in a.items() if not k.startswith(VISION)}
+    assert sorted(b) == sorted(text)
+    for k, x in text.items():
+        assert b[k].dtype == x.dtype and b[k].shape == x.shape, k
+        assert b[k].tobytes() == x.tobytes(), k
+    return len(a) - len(text)
+
+
+def leaves_equal(a, b):
+    la, lb = jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves_with_path(b)
+    assert [p for p, _ in la] == [p for p, _ in lb]
+    for (p, x), (_, y) in zip(la, lb):
+        assert x.dtype == y.dtype, p
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=str(p))
+
+
+def bf16_copy(src: Path, dst: Path) -> Path:
+    """An HF directory with every floating tensor cast to bfloat16 (gates included)."""
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        t = {k: v.astype(ml_dtypes.bfloat16) for k, v in load_file(f).items()}
+        save_file(t, f, metadata={"format": "pt"})
+    return dst
+
+
+@pytest.fixture(scope="module")
+def converted(hf_dirs, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ckpt")
+    return {name: convert(d, root / name) for name, d in hf_dirs.items()}
+
+
+# --- round trips ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_round_trip_is_bit_identical(arch, hf_dirs, converted, tmp_path):
+    back = export(converted[arch], tmp_path / "hf")
+    dropped = assert_bit_identical(hf_dirs[arch], back)
+    # Only the multimodal checkpoint has a vision tower, and it is dropped on purpose.
+    assert (dropped > 0) == (arch == "qwen3_5_multimodal")
+    assert json.loads((back / "config.json").read_text()) == json.loads((hf_dirs[arch] / "config.json").read_text())
+    assert (back / "generation_config.json").is_file() and not (back / "hybridjax.json").exists()
+
+
+def test_round_trip_sharded_source_and_sharded_output(tmp_path):
+    src = hf_models.qwen3_5_dense(tmp_path / "sharded", max_shard_size="20KB")
+    assert len(list(src.glob("*.safetensors"))) > 2
+    back = export(convert(src, tmp_path / "ckpt"), tmp_path / "hf", "--max-shard-size", "20KB")
+    assert_bit_identical(src, back)
+    index = json.loads((back / "model.safetensors.index.json").read_text())
+    shards = sorted(back.glob("*.safetensors"))
+    assert len(shards) > 2 and set(index["weight_map"].values()) == {f.name for f in shards}
+    assert index["metadata"]["total_size"] == sum(v.nbytes for v in hf_tensors(back).values())
+    for f in shards:  # the size limit holds unless a single tensor exceeds it
+        with safe_open(f, framework="numpy") as h:
+            sizes = [h.get_tensor(k).nbytes for k in h.keys()]
+        assert sum(sizes) <= 20_000 or len(sizes) == 1
+
+
+def test_round_trip_bfloat16(hf_dirs, tmp_path):
+    src = bf16_copy(hf_dirs["qwen3_next_moe"], tmp_path / "bf16")
+    ckpt = convert(src, tmp_path / "ckpt")
+    assert json.loads((ckpt / "hybridjax.json").read_text())["dtype"] == "bfloat16"
+    back = export(ckpt, tmp_path / "hf")
+    assert_bit_identical(src, back)  # A_log / dt_bias too: bf16 -> float32 -> bf16 is exact
+
+
+def test_mtp_tensors_and_tokenizer_files_survive_the_round_trip(hf_dirs, tmp_path):
+    src = tmp_path / "mtp"
+    shutil.copytree(hf_dirs["qwen3_next_moe"], src)
+    extra = hf_models.add_mtp_tensor(src)
+    side = {"tokenizer.json": '{"version": "1.0"}', "tokenizer_config.json": "{}", "chat_template.jinja": "{{ x }}",
+            "merges.txt": "a b\n", "notes.txt": "not a model file"}
+    for name, text in side.items():
+        (src / name).write_text(text)
+    ckpt = convert(src, tmp_path / "ckpt")
+    _, params = conversion.load(ckpt)
+    np.testing.assert_array_equal(np.asarray(params.extra["mtp.fc.weight"]), extra)
+    back = export(ckpt, tmp_path / "hf")
+    assert_bit_identical(src, back)
+    for d in (ckpt, back):
+        assert {n: (d / n).read_text() for n in side if (d / n).exists()} == {n: t for n, t in side.items() if n != "notes.txt"}
+
+
+def test_dtype_conversion_casts_weights_but_not_gates(hf_dirs, loaded, tmp_path):
+    ckpt = convert(hf_dirs["qwen3_5_dense"], tmp_path / "ckpt", "--dtype", "bfloat16")
+    _, params = conversion.load(ckpt)
+    leaves_equal(params, hybridjax.params.cast_params(loaded["qwen3_5_dense"][1], "bfloat16"))
+    back = hf_tensors(export(ckpt, tmp_path / "hf"))
+    for k, x in hf_tensors(hf_dirs["qwen3_5_dense"]).items():
+        gate = k.endswith(("A_log", "dt_bias"))
+        assert back[k].dtype == (np.float32 if gate else ml_dtypes.bfloat16), k
+        np.testing.assert_array_equal(back[k], x if gate else x.astype(ml_dtypes.bfloat16))
+
+
+def test_write_hf_from_params_in_memory(hf_dirs, loaded, tmp_path):
+    """The library path for params that never were a checkpoint (e.g. after fine-tuning)."""
+    cfg, params = loaded["qwen3_next_moe"]
+    n, nbytes, shards = conversion.write_hf(params, cfg, tmp_path, max_shard_size="30KB")
+    assert shards > 1 and n == len(hf_tensors(hf_dirs["qwen3_next_moe"]))
+    assert_bit_identical(hf_dirs["qwen3_next_moe"], tmp_path)
+
+
+# --- loading ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_checkpoint_loads_the_same_params(arch, converted, loaded):
+    cfg, params = conversion.load(converted[arch])
+    assert cfg == loaded[arch][0]
+    leaves_equal(params, loaded[arch][1])
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next_moe", "qwen3_5_multimodal"])
+def test_checkpoint_gives_the_same_logits(arch, converted, loaded, jforward):
+    """Shapes match tests/test_model.py (7 tokens, max_len 512) so the compiled forward is shared."""
+    cfg, params = hybridjax.load(converted[arch])
+    tokens = np.random.RandomState(1).randint(0, cfg.vocab_size, (1, 7)).astype(np.int32)
+    ref, _ = jforward(loaded[arch][1], tokens, hybridjax.init_cache(cfg, 1, 512), cfg)
+    got, _ = jforward(params, tokens, hybridjax.init_cache(cfg, 1, 512), cfg)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next_moe", "qwen3_5_multimodal", "qwen3_5_moe"])
+def test_transformers_loads_the_export(arch, hf_dirs, converted, torch_models, tmp_path):
+    back = export(converted[arch], tmp_path / "hf", "--max-shard-size", "50KB")
+    model = hf_models.load_torch(back)
+    tokens = torch.as_tensor(np.random.RandomState(2).randint(0, 97, (1, 9)))
+    with torch.no_grad():
+        got, ref = model(tokens).logits, torch_models[arch](tokens).logits
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
+
+
+def test_load_either_kind_keeps_or_casts_dtype(hf_dirs, converted, tmp_path):
+    cfg, p = conversion.load(hf_dirs["qwen3_5_dense"])  # dtype None: as stored (float32)
+    assert p.embed.dtype == np.float32
+    _, p = conversion.load(bf16_copy(hf_dirs["qwen3_5_dense"], tmp_path / "bf16"))
+    assert p.embed.dtype == ml_dtypes.bfloat16 and p.layers[0].mixer.A_log.dtype == np.float32
+    _, p = hybridjax.load(converted["qwen3_5_dense"], dtype="bfloat16")
+    assert p.embed.dtype == ml_dtypes.bfloat16 and p.layers[0].mixer.dt_bias.dtype == np.float32
+    assert p.lm_head is None and conversion.is_checkpoint(converted["qwen3_5_dense"])
+    assert not conversion.is_checkpoint(hf_dirs["qwen3_5_dense"])
+    files = {f.name for f in converted["qwen3_5_dense"].iterdir()}
+    assert {"config.json", "hybridjax.json", "params", "generation_config.json"} <= files
+    assert hybridjax.load_config(converted["qwen3_5_dense"]) == cfg
+
+
+# --- the CLI ----------------------------------------------------------------------------
+
+
+def test_cli_reports_progress_dropped_vision_and_verify(hf_dirs, tmp_path, capsys):
+    assert main(["--hf-dir", str(hf_dirs["qwen3_5_multimodal"]), "--out", str(tmp_path / "c")]) == 0
+    out, err = capsys.readouterr()
+    assert "dropped 21 vision-tower tensors (model.visual.*): not part of the text model" in out
+    assert "100%" in err and "56/56 arrays" in err  # the tqdm bar, on stderr
+    assert main(["--to-hf", "--checkpoint", str(tmp_path / "c"), "--out", str(tmp_path / "h"), "--quiet", "--verify"]) == 0
+    out, err = capsys.readouterr()
+    lines = [ln for ln in out.splitlines() if ln.startswith("verify:")]
+    assert "hybridjax(result) - logits hybridjax(source)| = 0 " in lines[0]
+    assert "transformers(result)" in lines[1] and float(lines[1].split("= ")[1].split()[0]) < 1e-4
+    assert "convert" not in err  # --quiet: no bar
+
+
+def test_force_replaces_existing_output(hf_dirs, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "stale").write_text("x")
+    convert(hf_dirs["qwen3_5_dense"], out, "--force")
+    assert not (out / "stale").exists() and conversion.is_checkpoint(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging leftovers
+
+
+def _corrupt(hf_dirs, tmp_path, fn, arch="qwen3_5_dense"):
+    d = tmp_path / "bad"
+    shutil.copytree(hf_dirs[arch], d)
+    t = load_file(d / "model.safetensors")
+    fn(t)
+    save_file(t, d / "model.safetensors", metadata={"format": "pt"})
+    return d
+
+
+def _sharded_missing_one(tmp_path):
+    d = hf_models.qwen3_5_dense(tmp_path / "bad", max_shard_size="20KB")
+    victim = sorted(d.glob("*.safetensors"))[1]
+    victim.unlink()
+    return d, victim.name
+
+
+def _copy_with(hf_dirs, tmp_path, config=None, drop=()):
+    d = tmp_path / "bad"
+    shutil.copytree(hf_dirs["qwen3_5_dense"], d)
+    if config is not None:
+        (d / "config.json").write_text(config)
+    for pattern in drop:
+        for f in d.glob(pattern):
+            f.unlink()
+    return d
+
+
+def _put(name, value):
+    return lambda t: t.__setitem__(name, value)
+
+
+HF_ERRORS = {
+    "missing dir": (lambda t, h: t / "nowhere", "model directory not found: {d}"),
+    "no safetensors": (lambda t, h: _copy_with(h, t, drop=["*.safetensors"]), "{d}: no *.safetensors files found"),
+    "missing shard": (lambda t, h: _sharded_missing_one(t)[0],
+                      "shard(s) listed in model.safetensors.index.json are missing: model-00002-of-"),
+    "missing tensor": (lambda t, h: _corrupt(h, t, lambda x: x.pop("model.layers.0.linear_attn.A_log")),
+                       "checkpoint does not match config.json: missing tensors (1): model.layers.0.linear_attn.A_log"),
+    "unknown tensor": (lambda t, h: _corrupt(h, t, _put("model.layers.0.bogus", np.zeros(2, np.float32))),
+                       "unexpected tensors (1): model.layers.0.bogus"),
+    "wrong shape": (lambda t, h: _corrupt(h, t, _put("model.layers.3.self_attn.k_proj.weight", np.zeros((8, 32), np.float32))),
+                    "mis-shaped tensors: model.layers.3.self_attn.k_proj.weight (8, 32) -> layers.3.mixer.k_proj "
+                    "has shape (32, 8), expected (32, 32)"),
+    "unsupported arch": (lambda t, h: _copy_with(h, t, json.dumps({"model_type": "llama"})),
+                         "config.json: model_type 'llama' is not supported"),
+    "missing field": (lambda t, h: _copy_with(h, t, json.dumps({"model_type": "qwen3_next"})),
+                      "config.json: missing required field 'num_hidden_layers'"),
+    "invalid json": (lambda t, h: _copy_with(h, t, "{not json"), "config.json: invalid JSON"),
+    "no config": (lambda t, h: _copy_with(h, t, drop=["config.json"]), "no config.json found at {d}/config.json"),
+}
+
+
+@pytest.mark.parametrize("case", HF_ERRORS)
+def test_hf_errors_are_one_clear_line(case, hf_dirs, tmp_path, capsys):
+    make, message = HF_ERRORS[case]
+    d = make(tmp_path, hf_dirs)
+    out = tmp_path / "out"
+    assert main(["--hf-dir", str(d), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.endswith("\n")
+    err = err.splitlines()[-1]  # (building a sharded source prints transformers' own bar before)
+    assert err.startswith("hybridjax convert: error: ") and "convert:" not in err.split("error: ", 1)[1]
+    assert message.format(d=d) in err, err
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_usage_and_checkpoint_errors(hf_dirs, converted, tmp_path, capsys):
+    src, ck, out = hf_dirs["qwen3_5_dense"], converted["qwen3_5_dense"], tmp_path / "out"
+    bad = tmp_path / "badck"
+    shutil.copytree(ck, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 65}))
+    noparams = tmp_path / "noparams"
+    shutil.copytree(ck, noparams)
+    shutil.rmtree(noparams / "params")
+    oldfmt = tmp_path / "oldfmt"
+    shutil.copytree(ck, oldfmt)
+    (oldfmt / "hybridjax.json").write_text(json.dumps({"format": "hybridjax-orbax", "format_version": 99}))
+    out.mkdir()
+    cases = [
+        (["--hf-dir", str(src), "--out", str(out)], f"output already exists: {out} (use --force to replace it)"),
+        (["--hf-dir", str(src), "--out", str(src / "sub")], "overlaps the source directory"),
+        (["--out", str(tmp_path / "o")], "--hf-dir DIR is required"),
+        (["--to-hf", "--out", str(tmp_path / "o")], "--to-hf needs --checkpoint DIR"),
+        (["--checkpoint", str(ck), "--out", str(tmp_path / "o")], "--checkpoint is the source of --to-hf"),
+        (["--to-hf", "--hf-dir", str(src), "--checkpoint", str(ck), "--out", str(tmp_path / "o")], "with --to-hf use --checkpoint"),
+        (["--to-hf", "--checkpoint", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")], "checkpoint directory not found"),
+        (["--to-hf", "--checkpoint", str(src), "--out", str(tmp_path / "o")], "not a converted hybridjax checkpoint (no hybridjax.json)"),
+        (["--to-hf", "--checkpoint", str(ck), "--out", str(tmp_path / "o"), "--max-shard-size", "lots"], "invalid size 'lots'"),
+        (["--to-hf", "--checkpoint", str(noparams), "--out", str(tmp_path / "o")], "the params directory params/ is missing"),
+        (["--to-hf", "--checkpoint", str(oldfmt), "--out", str(tmp_path / "o")], "'format_version' 99 is not supported"),
+        (["--to-hf", "--checkpoint", str(bad), "--out", str(tmp_path / "o")],
+         "checkpoint does not match config.json: mis-shaped arrays: layers.0.ffn.gate has shape (32, 64), expected (32, 65)"),
+    ]
+    for argv, message in cases:
+        assert main([*argv, "--quiet"]) == 1, argv
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("hybridjax convert: error: ") and "\n" not in err, err
+        assert message in err, (message, err)
+        assert not (tmp_path / "o").exists()
+    with pytest.raises(conversion.CheckpointError, match="mis-shaped arrays: layers.0.ffn.gate"):
+        hybridjax.load(bad)
+
+
+def test_failure_midway_leaves_nothing(hf_dirs, converted, tmp_path, monkeypatch, capsys):
+    calls = []
+    real_write = to_hf_mod.ShardWriter.write
+
+    def flaky_write(self, name, arr):
+        calls.append(name)
+        if len(calls) == 10:
+            raise OSError(28, "No space left on device", str(self.out_dir / "x.safetensors"))
+        return real_write(self, name, arr)
+
+    monkeypatch.setattr(to_hf_mod.ShardWriter, "write", flaky_write)
+    out = tmp_path / "hf"
+    assert main(["--to-hf", "--checkpoint", str(converted["qwen3_5_dense"]), "--out", str(out), "--quiet",
+                 "--max-shard-size", "20KB"]) == 1
+    assert "No space left on device" in capsys.readouterr().err and len(calls) == 10
+
+    def broken_save(*a, **k):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(ckpt_mod, "_save_args", broken_save)
+    assert main(["--hf-dir", str(hf_dirs["qwen3_5_dense"]), "--out", str(tmp_path / "ck"), "--quiet"]) == 1
+    assert "Input/output error" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # neither output nor staging directory
