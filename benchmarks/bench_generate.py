@@ -265,6 +265,43 @@ def agreement(a: list[int], b: list[int]) -> str:
     return f"{same}/{min(len(a), len(b))} leading tokens equal"
 
 
+def report(results: dict, sizes: dict, dtypes: list[str], threads: int, repeats: int) -> list[tuple]:
+    """Print the markdown table and the notes under it; returns the table rows."""
+    import jax
+    import torch
+    import transformers
+
+    rows = [r for d in dtypes for r in rows_for(d, results[d], sizes)]
+    attn = ", ".join(f"{d}: {results[d]['attn']}" for d in dtypes)
+    print(f"\nhybridjax (jax {jax.__version__}) vs transformers {transformers.__version__} (torch {torch.__version__}, "
+          f"{threads} threads, attention {attn}) on {os.cpu_count()} CPU cores; batch 1, median of "
+          f"{repeats}; decode = {sizes['new_tokens']} greedy tokens after a {sizes['decode_prompt']}-token prompt\n")
+    print("| dtype | phase | length | hybridjax tok/s | transformers tok/s | ratio |")
+    print("|---|---|---:|---:|---:|---:|")
+    for d, phase, n, hj, hf in rows:
+        print(f"| {d} | {phase} | {n} | {hj:.1f} | {hf:.1f} | {hj / hf:.2f}x |")
+    print()
+    for d in dtypes:
+        r, tok = results[d], results[d]["tokens"]
+        line = f"{d}: greedy tokens, hybridjax generate vs transformers: {agreement(tok['hybridjax'], tok['transformers'])}"
+        if "hybridjax-loop" in tok:
+            line += f"; decode loop vs generate: {agreement(tok['hybridjax-loop'], tok['hybridjax'])}"
+        print(line)
+        if r["attn_trials"]:
+            trials = ", ".join(f"{k} {v:.2f}s" for k, v in r["attn_trials"].items())
+            print(f"{d}: transformers attention trial, prefill of {max(sizes['prefill'])} tokens: {trials}")
+        spread = "; ".join(f"{lib} {name} {min(v):.2f}-{max(v):.2f}s" for lib, ms in r["times"].items()
+                           for name, v in ms.items())
+        print(f"{d}: wall {r['wall_s']:.0f}s, 1-min load avg {r['loadavg'][0]:.2f} -> {r['loadavg'][1]:.2f}; "
+              f"min-max: {spread}")
+    load = max(x for d in dtypes for x in results[d]["loadavg"])
+    if load > (os.cpu_count() or 1):
+        print(f"WARNING: 1-min load average reached {load:.1f} on {os.cpu_count()} cores: other processes shared "
+              "the CPU, so figures are noisy; multi-threaded torch suffers most (its OpenMP barriers stall "
+              "when a worker thread is descheduled). Rerun on an idle machine before quoting ratios.")
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="prefill 128/512, decode 32 after 32")
@@ -305,33 +342,7 @@ def main(argv=None) -> int:
             print(f"built model: {n_params / 1e6:.1f} M params in {time.time() - t_start:.0f}s", file=sys.stderr)
         results = {d: run_worker(d, model_dir, a, sizes) for d in dtypes}
 
-    import jax
-    import torch
-    import transformers
-
-    rows = [r for d in dtypes for r in rows_for(d, results[d], sizes)]
-    attn = ", ".join(f"{d}: {results[d]['attn']}" for d in dtypes)
-    print(f"\nhybridjax (jax {jax.__version__}) vs transformers {transformers.__version__} (torch {torch.__version__}, "
-          f"{a.threads} threads, attention {attn}) on {os.cpu_count()} CPU cores; batch 1, median of "
-          f"{a.repeats}; decode = {sizes['new_tokens']} greedy tokens after a {sizes['decode_prompt']}-token prompt\n")
-    print("| dtype | phase | length | hybridjax tok/s | transformers tok/s | ratio |")
-    print("|---|---|---:|---:|---:|---:|")
-    for d, phase, n, hj, hf in rows:
-        print(f"| {d} | {phase} | {n} | {hj:.1f} | {hf:.1f} | {hj / hf:.2f}x |")
-    print()
-    for d in dtypes:
-        r, tok = results[d], results[d]["tokens"]
-        line = f"{d}: greedy tokens, hybridjax generate vs transformers: {agreement(tok['hybridjax'], tok['transformers'])}"
-        if "hybridjax-loop" in tok:
-            line += f"; decode loop vs generate: {agreement(tok['hybridjax-loop'], tok['hybridjax'])}"
-        print(line)
-        if r["attn_trials"]:
-            trials = ", ".join(f"{k} {v:.2f}s" for k, v in r["attn_trials"].items())
-            print(f"{d}: transformers attention trial, prefill of {max(sizes['prefill'])} tokens: {trials}")
-        spread = "; ".join(f"{lib} {name} {min(v):.2f}-{max(v):.2f}s" for lib, ms in r["times"].items()
-                           for name, v in ms.items())
-        print(f"{d}: wall {r['wall_s']:.0f}s, 1-min load avg {r['loadavg'][0]:.2f} -> {r['loadavg'][1]:.2f}; "
-              f"min-max: {spread}")
+    rows = report(results, sizes, dtypes, a.threads, a.repeats)
     print(f"total {time.time() - t_start:.0f}s")
     if a.json:
         Path(a.json).write_text(json.dumps({"sizes": sizes, "rows": rows, "results": results}, indent=1))
