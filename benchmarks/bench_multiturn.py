@@ -23,7 +23,8 @@ so neither path pays for a bucket crossing or for padding past P.
           P - 1 tokens, padded to P). Not warmed up separately: the previous turn (H tokens, also
           padded to P, on an engine with the same slot count) compiled the same shapes.
   bound   `hybridjax.generate.prefill` of the U new tokens from the response snapshot's cache,
-          then one `decode_step_donating` of the greedy token, timed directly (no engine).
+          then one `decode_step_donating` of the greedy token, timed directly (no engine); run
+          right before and right after the cached requests of each repeat, the mean kept.
 With --ttft-slots 1,4 the cached path runs on a 1-slot and a 4-slot engine (sharing the store);
 cold runs on a 1-slot engine. Ratios: cold / cached (target >= 20x at 8k) and cached / bound (target <= 1.2x). A further
 instrumented request per length splits the cached TTFT into the engine's admission steps
@@ -213,12 +214,16 @@ def ttft_for_length(cfg, params, p: int, slots_list: list[int], repeats: int) ->
     rows = {s: {"P": p, "history": h_len, "prompt": p - 1, "suffix": NEW, "slots": s, "cached": [], "cold": [],
                 "bound": [], "first_tokens_equal": 0, "compared": 0} for s in slots_list}
     for i in range(repeats + 1):  # i == 0: warm-up (compiles every shape), not kept
+        # The bound runs right before and right after the cached requests (its mean is kept),
+        # so that a drift in machine load does not favour either side.
+        t_before, _ = bound(i)
         cached = {}
         for s, eng in engines.items():
             saved.restore()
             cached[s] = first_token_time(eng, prompts[i])
             assert cached[s][1].cached_tokens == h_len + RESPONSE, (cached[s][1].cached_tokens, h_len + RESPONSE)
-        t_bound, tok_bound = bound(i)
+        t_after, tok_bound = bound(i)
+        t_bound = (t_before + t_after) / 2
         if i == 0:  # the previous turn compiled every shape the cold path uses (same buckets)
             log(f"P={p}: warm-up done")
             continue
