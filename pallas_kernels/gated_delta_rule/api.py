@@ -7,45 +7,101 @@ Shapes: q, k [B, T, Hk, K]; v [B, T, Hv, V] with Hv % Hk == 0 (value head h read
 h // (Hv // Hk)); g, beta [B, T, Hv]; initial_state [B, Hv, K, V] or None (zeros).
 Returns o [B, T, Hv, V] in v's dtype and final_state [B, Hv, K, V] float32.
 
-Implementations live in `_IMPLEMENTATIONS`; each takes
-`(q, k, v, g, beta, *, scale, initial_state)` with q/k already normalised if requested. An
-explicit choice never falls back silently. This module does not jit: the caller owns the jit
-boundary (scale, the flag and `implementation` are python values, static under jit).
+Implementations (`IMPLEMENTATIONS`):
+  "reference"  token-by-token scan (reference.py), differentiated by plain autodiff;
+  "xla"        chunked WY/UT form (xla.py), or the token scan for T <= RECURRENT_MAX_TOKENS;
+  "pallas"     Pallas kernels: chunk.py, or recurrent.py for T <= RECURRENT_MAX_TOKENS;
+               compiled Triton kernels on GPU, the Pallas interpreter on CPU;
+  None         "pallas" on GPU (CUDA / ROCm), "xla" elsewhere.
+"xla", "pallas" and None differentiate through `backward.gated_delta_rule_with_vjp`: inputs
+are the only residuals and the backward recomputes the chunk states.
+
+Platform choices (None's backend, and interpreter vs compiled kernel) follow the platform the
+computation is lowered for, via `jax.lax.platform_dependent`, not the machine doing the
+lowering: `jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))` on a CPU host yields the
+Triton kernels. An explicit choice never falls back: one that cannot run raises at trace time.
+This module does not jit: the caller owns the jit boundary (scale, the flag and
+`implementation` are python values, static under jit).
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
+from .backward import gated_delta_rule_with_vjp
+from .chunk import chunk_gated_delta_rule_pallas
+from .recurrent import recurrent_gated_delta_rule_pallas
 from .reference import recurrent_gated_delta_rule_reference
 from .xla import chunk_gated_delta_rule_xla
 
 # At or below this many tokens a token-by-token scan beats the chunked form: a chunk pads
-# T up to 64 and pays for C x C decay matrices and a triangular solve that a handful of tokens
-# does not need. A future Pallas decode kernel will be chosen by the same threshold.
+# T up to a whole chunk and pays for C x C decay matrices and a triangular solve that a handful of tokens
+# does not need. Both "xla" (reference scan) and "pallas" (recurrent.py) switch here.
 RECURRENT_MAX_TOKENS = 16
 
-DEFAULT_IMPLEMENTATION = "xla"
+IMPLEMENTATIONS = ("pallas", "reference", "xla")
+
+# Chunk size of the "xla" forward. On XLA:CPU (JAX 0.10.2, 2 cores) 32 beat 64 at a Qwen3.5
+# layer (Hv = 32, K = V = 128), alternating runs: 1.14x / 1.40x / 1.47x at T = 512 / 2048 / 8192.
+# Its batched [C, C] and [C, K] x [K, V] matmuls run far below big-matmul speed, so halving the
+# C x C work and the C - 1 sequential inverse rows pays more than the doubled scan length costs.
+XLA_CHUNK_SIZE = 32
+
+# Backends the Pallas kernels compile for (Triton); CPU runs them in the interpreter.
+_PALLAS_GPU_PLATFORMS = ("cuda", "rocm")
 
 # Matches transformers' / fla's l2norm: x * rsqrt(sum(x * x) + eps), in float32.
 L2NORM_EPS = 1e-6
 
 
 def _xla(q, k, v, g, beta, *, scale, initial_state):
-    """XLA backend: a plain scan for short inputs (decode), the chunked form otherwise."""
+    """XLA forward: a plain scan for short inputs (decode), the chunked form otherwise."""
     if q.shape[1] <= RECURRENT_MAX_TOKENS:
         return recurrent_gated_delta_rule_reference(
             q, k, v, g, beta, scale=scale, initial_state=initial_state
         )
-    return chunk_gated_delta_rule_xla(q, k, v, g, beta, scale=scale, initial_state=initial_state)
+    return chunk_gated_delta_rule_xla(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, chunk_size=XLA_CHUNK_SIZE
+    )
 
 
-# A later "pallas" entry plugs in here with the same keyword signature.
-_IMPLEMENTATIONS = {
-    "reference": recurrent_gated_delta_rule_reference,
-    "xla": _xla,
-}
+def _pallas(q, k, v, g, beta, *, scale, initial_state, interpret=None):
+    """Pallas forward: the decode kernel for short inputs, the chunk kernels otherwise.
+
+    interpret=None: the interpreter when lowered for CPU, the Triton kernels otherwise."""
+    fn = (
+        recurrent_gated_delta_rule_pallas
+        if q.shape[1] <= RECURRENT_MAX_TOKENS
+        else chunk_gated_delta_rule_pallas
+    )
+    return fn(q, k, v, g, beta, scale=scale, initial_state=initial_state, interpret=interpret)
+
+
+def _auto(q, k, v, g, beta, *, scale, initial_state):
+    """implementation=None: compiled Pallas when lowered for a GPU, XLA otherwise."""
+    xla = functools.partial(_xla, scale=scale)
+    pallas = functools.partial(_pallas, scale=scale, interpret=False)
+
+    def call(fn):
+        return lambda q, k, v, g, beta, s: fn(q, k, v, g, beta, initial_state=s)
+
+    branches = {p: call(pallas) for p in _PALLAS_GPU_PLATFORMS}
+    return jax.lax.platform_dependent(
+        q, k, v, g, beta, initial_state, **branches, default=call(xla)
+    )
+
+
+def _check_pallas_can_run():
+    """Fail fast: the Pallas kernels are Triton kernels (GPU) or interpreted (CPU), nothing else."""
+    backend = jax.default_backend()
+    if backend not in ("cpu", "gpu", *_PALLAS_GPU_PLATFORMS):
+        raise ValueError(
+            f"implementation='pallas' cannot run on the {backend!r} backend: its kernels are "
+            "Triton (GPU) kernels, interpreted on CPU. Use implementation='xla' (or None)."
+        )
 
 
 def l2norm(x, eps=L2NORM_EPS):
@@ -100,19 +156,36 @@ def chunk_gated_delta_rule(
     Args:
       scale: multiplies q after any normalisation; None means K ** -0.5.
       use_qk_l2norm_in_kernel: L2-normalise q and k (float32, eps 1e-6) first.
-      implementation: one of `_IMPLEMENTATIONS` ("reference", "xla"); None means "xla".
+      implementation: "reference", "xla", "pallas", or None ("pallas" on GPU, "xla" elsewhere,
+        decided by the lowering platform).
 
     Returns:
       (o [B, T, Hv, V] in v's dtype, final_state [B, Hv, K, V] float32).
     """
-    name = DEFAULT_IMPLEMENTATION if implementation is None else implementation
-    if name not in _IMPLEMENTATIONS:
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(
-            f"unknown implementation {implementation!r}; valid choices: {sorted(_IMPLEMENTATIONS)}"
+            f"unknown implementation {implementation!r}; valid choices: {sorted(IMPLEMENTATIONS)}"
         )
+    if implementation == "pallas":
+        _check_pallas_can_run()
     _validate(q, k, v, g, beta, initial_state)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
-    return _IMPLEMENTATIONS[name](q, k, v, g, beta, scale=scale, initial_state=initial_state)
+    if implementation == "reference":
+        return recurrent_gated_delta_rule_reference(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state
+        )
+    B, T, _, K = q.shape
+    Hv, V = v.shape[2], v.shape[3]
+    if initial_state is None:
+        initial_state = jnp.zeros((B, Hv, K, V), jnp.float32)
+    if T == 0:
+        return jnp.zeros((B, 0, Hv, V), v.dtype), initial_state.astype(jnp.float32)
+    forward = _FORWARDS[implementation]
+    return gated_delta_rule_with_vjp(forward, q, k, v, g, beta, initial_state, scale=scale)
+
+
+# Module-level objects, so the custom_vjp's static `forward` is the same object on every call.
+_FORWARDS = {None: _auto, "xla": _xla, "pallas": _pallas}

@@ -1,0 +1,217 @@
+"""Gated delta rule: token-by-token reference vs chunked XLA on CPU; Pallas vs XLA on a GPU.
+
+    python benchmarks/bench_delta_rule.py [--quick] [--lengths 512,2048,8192] [--repeats 3]
+                                          [--max-temp-gb 6] [--json OUT]
+
+One Qwen3.5-like Gated DeltaNet layer: batch 1, Hk = 16 key heads, Hv = 32 value heads,
+K = V = 128, float32 inputs on CPU (bfloat16 on GPU), unit keys, model-like gates. For each T:
+
+  fwd      (o, final_state) = chunk_gated_delta_rule(..., implementation=X)
+  fwd+bwd  jax.grad of <o, w_o> + <state, w_s> w.r.t. q, k, v, g, beta and the initial state:
+           "reference" differentiates the token scan (it stores every token's [K, V] state per
+           head); "xla" uses the custom VJP (inputs are the only residuals, chunk states are
+           recomputed); "xla-autodiff" differentiates xla.py's chunked form directly.
+
+Every function is jitted and warmed up once (compile time reported separately), then the
+implementations alternate round by round for `--repeats` rounds, so load drift on a shared
+machine hits them alike; the best run is reported (the least disturbed one) with the median.
+`temp GB` is XLA's temp-buffer size for the compiled program (`memory_analysis()`); a
+program whose temp exceeds `--max-temp-gb` is compiled but not run.
+
+FLOPs are counted per algorithm (multiply-add = 2), per token and value head:
+  reference  7 K V                       (decay, S^T k, k u^T, S^T q)
+  chunked    C (8 K + 4 V) + 2 C^2 + 6 K V (chunk C: k k^T, q k^T, the inverse applied to
+                                          [V | K], P wv, P wk, the row-by-row inverse, and
+                                          three [C, K] x [K, V] state products)
+and fwd+bwd is counted as 3x fwd. ratio = the baseline's best time / this row's ("-" when
+the baseline was skipped). On a GPU (`jax.devices("gpu")` non-empty) a second table compares
+"pallas" against the baseline "xla" (bfloat16 inputs); without one it prints a skip line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pallas_kernels.gated_delta_rule import (  # noqa: E402
+    chunk_gated_delta_rule,
+    chunk_gated_delta_rule_xla,
+)
+from pallas_kernels.gated_delta_rule.api import XLA_CHUNK_SIZE  # noqa: E402
+from pallas_kernels.gated_delta_rule.chunk import CHUNK_SIZE as PALLAS_CHUNK_SIZE  # noqa: E402
+
+LAYER = dict(B=1, Hk=16, Hv=32, K=128, V=128)
+FULL = dict(lengths=(512, 2048, 8192), repeats=3)
+QUICK = dict(lengths=(512, 2048), repeats=2)
+
+
+def make_inputs(T, dtype, seed=0):
+    """Random layer inputs (q, k, v, g, beta, s0) and loss weights (w_o, w_s)."""
+    B, Hk, Hv, K, V = (LAYER[n] for n in ("B", "Hk", "Hv", "K", "V"))
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, T, Hk, K), np.float32)
+    k = rng.standard_normal((B, T, Hk, K), np.float32)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((B, T, Hv, V), np.float32)
+    g = -np.exp(rng.uniform(-2, 1, (Hv,))) * np.logaddexp(0, rng.standard_normal((B, T, Hv)) - 1)
+    beta = 1 / (1 + np.exp(-rng.standard_normal((B, T, Hv))))
+    s0 = rng.standard_normal((B, Hv, K, V), np.float32) * 0.1
+    w_o = rng.standard_normal((B, T, Hv, V), np.float32)
+    w_s = rng.standard_normal((B, Hv, K, V), np.float32)
+    args = [jnp.asarray(x, dtype) for x in (q, k, v)]
+    args += [jnp.asarray(x, jnp.float32) for x in (g, beta, s0)]
+    return tuple(args), (jnp.asarray(w_o), jnp.asarray(w_s))
+
+
+def flops(impl, T):
+    """Forward FLOPs of one layer under the algorithm `impl` runs (see module docstring)."""
+    K, V, Hv, B = LAYER["K"], LAYER["V"], LAYER["Hv"], LAYER["B"]
+    c = PALLAS_CHUNK_SIZE if impl == "pallas" else XLA_CHUNK_SIZE
+    if impl == "reference":
+        per_token = 7 * K * V
+    else:
+        per_token = c * (8 * K + 4 * V) + 2 * c**2 + 6 * K * V
+    return B * T * Hv * per_token
+
+
+def _forward_fn(impl):
+    if impl == "xla-autodiff":
+        return lambda q, k, v, g, b, s: chunk_gated_delta_rule_xla(
+            q, k, v, g, b, scale=LAYER["K"] ** -0.5, initial_state=s, chunk_size=XLA_CHUNK_SIZE
+        )
+    return lambda q, k, v, g, b, s: chunk_gated_delta_rule(
+        q, k, v, g, b, initial_state=s, implementation=impl
+    )
+
+
+def build(impl, mode):
+    """A jitted (args, weights) -> outputs for impl in {reference, xla, xla-autodiff, pallas}."""
+    fwd = _forward_fn(impl)
+    if mode == "fwd":
+        return jax.jit(lambda args, w: fwd(*args))
+
+    def loss(args, w):
+        o, s = fwd(*args)
+        return jnp.sum(o.astype(jnp.float32) * w[0]) + jnp.sum(s * w[1])
+
+    return jax.jit(jax.grad(loss))
+
+
+def compile_one(impl, mode, args, w, max_temp_gb):
+    """dict(impl, mode, compile_s, temp_gb, fn) with fn=None (and `skipped`) if over budget."""
+    t0 = time.perf_counter()
+    compiled = build(impl, mode).lower(args, w).compile()
+    compile_s = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    temp_gb = (mem.temp_size_in_bytes if mem is not None else 0) / 2**30
+    row = dict(impl=impl, mode=mode, compile_s=compile_s, temp_gb=temp_gb, fn=compiled)
+    if temp_gb > max_temp_gb:
+        row.update(fn=None, skipped=f"temp {temp_gb:.1f} GB > --max-temp-gb")
+    return row
+
+
+def measure(rows, args, w, repeats):
+    """Time every runnable row, alternating implementations round by round so that load drift
+    on a shared machine hits them alike; sets best_ms and median_ms."""
+    live = [r for r in rows if r["fn"] is not None]
+    for r in live:
+        jax.block_until_ready(r["fn"](args, w))  # warm-up run
+        r["times"] = []
+    for _ in range(repeats):
+        for r in live:
+            t0 = time.perf_counter()
+            jax.block_until_ready(r["fn"](args, w))
+            r["times"].append(time.perf_counter() - t0)
+    for r in live:
+        r["best_ms"] = 1e3 * min(r["times"])
+        r["median_ms"] = 1e3 * statistics.median(r["times"])
+
+
+def run_table(impls, baseline, lengths, dtype, repeats, max_temp_gb):
+    rows = []
+    header = (f"{'T':>5} {'mode':<8} {'impl':<13} {'best ms':>9} {'median ms':>10} "
+              f"{'GFLOP':>7} {'GFLOP/s':>8} {'temp GB':>8} {'compile s':>9} {'ratio':>6}")
+    print(header)
+    print("-" * len(header))
+    for T in lengths:
+        args, w = make_inputs(T, dtype, seed=T)
+        for mode in ("fwd", "fwd+bwd"):
+            # "xla-autodiff" has the same forward as "xla".
+            impls_here = [i for i in impls if not (mode == "fwd" and i == "xla-autodiff")]
+            mode_rows = [
+                dict(T=T, **compile_one(i, mode, args, w, max_temp_gb)) for i in impls_here
+            ]
+            measure(mode_rows, args, w, repeats)
+            base = next((r for r in mode_rows if r["impl"] == baseline and "best_ms" in r), None)
+            for row in mode_rows:
+                gflop = flops(row["impl"], T) * (3 if mode == "fwd+bwd" else 1) / 1e9
+                row["gflop"] = gflop
+                if "best_ms" in row:
+                    row["gflops"] = gflop / (row["best_ms"] / 1e3)
+                    row["ratio"] = base["best_ms"] / row["best_ms"] if base else None
+                    ratio = f"{row['ratio']:6.1f}" if row["ratio"] else f"{'-':>6}"
+                    print(f"{T:>5} {mode:<8} {row['impl']:<13} {row['best_ms']:9.1f} "
+                          f"{row['median_ms']:10.1f} {gflop:7.1f} {row['gflops']:8.1f} "
+                          f"{row['temp_gb']:8.2f} {row['compile_s']:9.1f} {ratio}")
+                else:
+                    print(f"{T:>5} {mode:<8} {row['impl']:<13} {'skipped':>9} {'':>10} "
+                          f"{gflop:7.1f} {'':>8} {row['temp_gb']:8.2f} {row['compile_s']:9.1f}"
+                          f"   ({row['skipped']})")
+                sys.stdout.flush()
+                row.pop("fn")
+                row.pop("times", None)
+                rows.append(row)
+        del args, w
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="T = 512, 2048 and 2 repeats")
+    p.add_argument("--lengths", type=str, default=None, help="comma-separated T values")
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--max-temp-gb", type=float, default=6.0,
+                   help="compile but do not run programs needing more XLA temp memory")
+    p.add_argument("--json", type=Path, default=None, help="write all rows here")
+    a = p.parse_args(argv)
+    preset = QUICK if a.quick else FULL
+    lengths = tuple(int(x) for x in a.lengths.split(",")) if a.lengths else preset["lengths"]
+    repeats = a.repeats or preset["repeats"]
+
+    print(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}")
+    print(f"layer {LAYER}, chunk: xla {XLA_CHUNK_SIZE}, pallas {PALLAS_CHUNK_SIZE}; "
+          f"repeats {repeats}\n")
+    print("CPU: token-by-token reference vs chunked XLA (float32 inputs)")
+    with jax.default_device(jax.devices("cpu")[0]):
+        result = {"cpu": run_table(("reference", "xla", "xla-autodiff"), "reference", lengths,
+                                   jnp.float32, repeats, a.max_temp_gb)}
+
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        gpus = []
+    print()
+    if gpus:
+        print(f"GPU {gpus[0]}: Pallas (Triton) vs XLA (bfloat16 inputs)")
+        with jax.default_device(gpus[0]):
+            result["gpu"] = run_table(("xla", "pallas"), "xla", lengths, jnp.bfloat16, repeats,
+                                      a.max_temp_gb)
+    else:
+        print("GPU: no GPU device found; skipping the Pallas timings.")
+    if a.json:
+        a.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
