@@ -267,5 +267,5 @@ def test_validation_errors(change, match):
 
 
 def test_unknown_implementation_names_choices():
-    with pytest.raises(ValueError, match=r"'pallas'.*\['reference', 'xla'\]"):
-        chunk_gated_delta_rule(**_shape_args(), implementation="pallas")
+    with pytest.raises(ValueError, match=r"'triton'.*\['pallas', 'reference', 'xla'\]"):
+        chunk_gated_delta_rule(**_shape_args(), implementation="triton")
