@@ -239,22 +239,26 @@ def _wait(pred, timeout: float = 30.0) -> bool:
     return True
 
 
+LONG = 200  # tokens: long enough to still be decoding when the test looks, on any machine
+
+
 def test_cancel_frees_the_slot_for_a_waiting_request(engine_nostore):
     eng = engine_nostore
     assert _wait(lambda: eng.active_slots == 0 and eng.queue_depth == 0)
     # alone: cancel after the first token
-    h = eng.submit(GenerationRequest(ids("Cancel me after one token"), max_tokens=40))
+    h = eng.submit(GenerationRequest(ids("Cancel me after one token"), max_tokens=LONG))
     events = h.events(timeout=TIMEOUT)
     assert next(events).token_id is not None
     h.cancel()
     rest = list(events)
     assert rest[-1].finish_reason == "cancelled" == h.finish_reason
-    assert len(h.token_ids) < 40
+    assert len(h.token_ids) < LONG
     assert eng.active_slots == 0  # the row is freed before the final event is sent
 
     # full: four long requests hold every slot, a fifth waits until one is cancelled; a sixth,
     # cancelled while it waits, is dropped when it reaches a free slot, without taking it
-    longs = [eng.submit(GenerationRequest(ids(f"Long running request {i}!"), max_tokens=40)) for i in range(SLOTS)]
+    # (200 tokens each, so they are still running when checked right after admission)
+    longs = [eng.submit(GenerationRequest(ids(f"Long running request {i}!"), max_tokens=LONG)) for i in range(SLOTS)]
     waiting = eng.submit(GenerationRequest(ids("I wait for a free slot"), max_tokens=4))
     dropped = eng.submit(GenerationRequest(ids("Cancelled before admission"), max_tokens=4))
     dropped.cancel()
@@ -264,7 +268,7 @@ def test_cancel_frees_the_slot_for_a_waiting_request(engine_nostore):
     longs[0].cancel()
     assert waiting.admitted.wait(30)
     collect(longs[0])
-    assert longs[0].finish_reason == "cancelled" and len(longs[0].token_ids) < 40
+    assert longs[0].finish_reason == "cancelled" and len(longs[0].token_ids) < LONG
     for x in longs[1:] + [waiting]:
         assert collect(x).finish_reason == "length"
     collect(dropped)

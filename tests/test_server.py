@@ -185,20 +185,23 @@ def test_auth_queue_bound_and_eviction():
         bad = openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError, match="invalid or missing API key"):
             bad.models.list()
-        # Fill the slot with a long stream, then the queue with one request: the next gets 429.
-        long = {"model": MODEL, "messages": [{"role": "user", "content": "long"}], "max_tokens": 300, "stream": True}
+        # The queue bound, made deterministic: with the engine worker paused nothing is admitted,
+        # so the first request waits (queue depth 1 = max_queue) and the next gets 429. Timing a
+        # busy slot against a racing request instead was flaky: a tiny model decodes 300 tokens
+        # faster than a loaded CI machine schedules the second client.
         headers = {"authorization": "Bearer sekret"}
-        with httpx.stream("POST", s.url + "/v1/chat/completions", json=long, headers=headers, timeout=120) as r:
-            next(r.iter_lines())  # admitted: the slot is busy
-            with cf.ThreadPoolExecutor(1) as pool:
-                waiting = pool.submit(httpx.post, s.url + "/v1/completions", headers=headers, timeout=300,
-                                      json={"model": MODEL, "prompt": "queued", "max_tokens": 2})
-                deadline = time.time() + 30
-                while s.engine.queue_depth < 1:
-                    assert time.time() < deadline
-                    time.sleep(0.02)
-                r429 = httpx.post(s.url + "/v1/completions", headers=headers, json={"model": MODEL, "prompt": "x", "max_tokens": 2})
-                assert r429.status_code == 429 and r429.json()["error"]["code"] == "queue_full"
+        s.engine.stop()
+        with cf.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(httpx.post, s.url + "/v1/completions", headers=headers, timeout=300,
+                                  json={"model": MODEL, "prompt": "queued", "max_tokens": 2})
+            deadline = time.time() + 60
+            while s.engine.queue_depth < 1:
+                assert time.time() < deadline, "the request never reached the queue"
+                time.sleep(0.02)
+            r429 = httpx.post(s.url + "/v1/completions", headers=headers, json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+            assert r429.status_code == 429 and r429.json()["error"]["code"] == "queue_full"
+            assert "queue is full" in r429.json()["error"]["message"]
+            s.engine.start()  # the waiting request is served once the worker runs again
         assert waiting.result().status_code == 200
         for p in ("one", "two", "three"):  # entry bound 2: the oldest goes
             s.client.completions.create(model=MODEL, prompt=f"eviction {p}", max_tokens=1)
