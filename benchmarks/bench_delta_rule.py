@@ -22,7 +22,8 @@ FLOPs are counted per algorithm (multiply-add = 2), per token and value head:
   reference  7 K V                       (decay, S^T k, k u^T, S^T q)
   chunked    C (8 K + 4 V) + 2 C^2 + 6 K V (chunk C: k k^T, q k^T, the inverse applied to
                                           [V | K], P wv, P wk, the row-by-row inverse, and
-                                          three [C, K] x [K, V] state products)
+                                          three [C, K] x [K, V] state products; xla forms
+                                          k k^T and q k^T per key head: 4 K / r for 4 K)
 and fwd+bwd is counted as 3x fwd. ratio = the baseline's best time / this row's ("-" when
 the baseline was skipped). On a GPU (`jax.devices("gpu")` non-empty) a second table compares
 "pallas" against the baseline "xla" (bfloat16 inputs); without one it prints a skip line.
@@ -79,8 +80,9 @@ def flops(impl, T):
     c = PALLAS_CHUNK_SIZE if impl == "pallas" else XLA_CHUNK_SIZE
     if impl == "reference":
         per_token = 7 * K * V
-    else:
-        per_token = c * (8 * K + 4 * V) + 2 * c**2 + 6 * K * V
+    else:  # xla forms k k^T and q k^T once per key head, shared by r = Hv / Hk value heads
+        qk_kk = 4 * K / (LAYER["Hv"] // LAYER["Hk"]) if impl.startswith("xla") else 4 * K
+        per_token = c * (qk_kk + 4 * K + 4 * V) + 2 * c**2 + 6 * K * V
     return B * T * Hv * per_token
 
 

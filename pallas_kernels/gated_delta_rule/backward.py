@@ -38,11 +38,11 @@ BACKWARD_CHUNK_SIZE = 32
 
 def _prepare(q, k, v, g, beta, *, scale, r, n, c):
     """Inputs [B, T, ...] -> the per-chunk quantities of `xla._intra_chunk`, [N, B, Hv, C, ...]."""
-    qc = _chunk(jnp.repeat(q.astype(f32), r, axis=2) * scale, n, c)  # [N, B, Hv, C, K]
-    kc = _chunk(jnp.repeat(k.astype(f32), r, axis=2), n, c)  # [N, B, Hv, C, K]
+    qc = _chunk(q.astype(f32) * scale, n, c)  # [N, B, Hk, C, K]
+    kc = _chunk(k.astype(f32), n, c)  # [N, B, Hk, C, K]
     vc = _chunk(v.astype(f32), n, c)  # [N, B, Hv, C, V]
     b = jnp.cumsum(_chunk(g.astype(f32), n, c), axis=-1)  # [N, B, Hv, C], float32 cumsum
-    return _intra_chunk(qc, kc, vc, b, _chunk(beta.astype(f32), n, c))
+    return _intra_chunk(qc, kc, vc, b, _chunk(beta.astype(f32), n, c), r)
 
 
 def _reverse_step(ds, xs):

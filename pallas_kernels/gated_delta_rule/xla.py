@@ -7,11 +7,12 @@ package's README.md. Stages:
      neither decay nor write the state) and split into N chunks;
   2. per chunk, batched over all chunks at once: gate cumsum b (float32), decay matrices with
      exponents masked to -inf before exp, (I + A)^{-1} by forward substitution applied to
-     [beta v | beta exp(b) k], and everything else that does not depend on the incoming state;
-  3. `lax.scan` over chunks carrying only the [B, Hv, K, V] state;
-  4. outputs from the chunk-start states, batched again.
+     [beta v | beta exp(b) k], and everything else that does not depend on the incoming state
+     (k k^T and q k^T once per key head, shared by its Hv / Hk value heads);
+  3. `lax.scan` over chunks carrying only the [B, Hv, K, V] state and emitting each chunk's
+     output, so the N chunk-entry states are never materialised together.
 
-Internally chunks lead: [N, B, Hv, C, ...], so the scan consumes the per-chunk tensors as they
+Internally chunks lead: [N, B, H, C, ...], so the scan consumes the per-chunk tensors as they
 are and only the output is transposed back to [B, T, Hv, V].
 
 Everything is float32 (precision policy: state, gates and the solve in float32); only o is
@@ -96,10 +97,11 @@ def _unit_lower_inverse_bwd(inv, inv_bar):
 _unit_lower_inverse.defvjp(_unit_lower_inverse_fwd, _unit_lower_inverse_bwd)
 
 
-def _intra_chunk(q, k, v, b, beta):
+def _intra_chunk(q, k, v, b, beta, r):
     """All state-independent per-chunk quantities, batched over [N, B, Hv].
 
-    Args: q, k [N, B, Hv, C, K] (q already scaled); v [N, B, Hv, C, V]; b, beta [N, B, Hv, C].
+    Args: q, k [N, B, Hk, C, K] (q already scaled); v [N, B, Hv, C, V]; b, beta [N, B, Hv, C];
+      r = Hv // Hk (value head h reads key head h // r).
     Returns:
       wk [.., C, K], wv [.., C, V]: the chunk's new values are u = wv - wk @ S0.
       o_intra [.., C, V], q_eff [.., C, K]: the chunk's output is o = o_intra + q_eff @ S0.
@@ -107,9 +109,10 @@ def _intra_chunk(q, k, v, b, beta):
     (S0 is the state entering the chunk.)
     """
     V = v.shape[-1]
-    # [.., C, K] x [.., C, K] -> [.., C, C]
-    kk = _einsum("nbhik,nbhjk->nbhij", k, k)
-    qk = _einsum("nbhik,nbhjk->nbhij", q, k)
+    # [.., C, K] x [.., C, K] -> [.., C, C], per key head, then repeated (not tiled) to Hv.
+    kk = jnp.repeat(_einsum("nbhik,nbhjk->nbhij", k, k), r, axis=2)
+    qk = jnp.repeat(_einsum("nbhik,nbhjk->nbhij", q, k), r, axis=2)
+    q, k = jnp.repeat(q, r, axis=2), jnp.repeat(k, r, axis=2)  # [N, B, Hv, C, K]
     # A_ij = beta_i (k_i . k_j) exp(b_i - b_j) for j < i: the UT system is (I + A) W = rhs.
     a = beta[..., :, None] * kk * _decay_matrix(b, strict=True)
     # P_ij = (q_i . k_j) exp(b_i - b_j) for j <= i: causal attention inside the chunk.
@@ -128,6 +131,27 @@ def _intra_chunk(q, k, v, b, beta):
     k_dec = k * jnp.exp(b_last - b)[..., None]  # exponent <= 0
     chunk_decay = jnp.exp(b_last[..., 0])  # [N, B, Hv]
     return wk, wv, o_intra, q_eff, k_dec, chunk_decay
+
+
+def _chunk_outputs(wk, wv, o_intra, q_eff, k_dec, chunk_decay, state):
+    """Carry the state across chunks, emitting each chunk's output on the way.
+
+    Args: as `_chunk_states`, plus o_intra [N, B, Hv, C, V] and q_eff [N, B, Hv, C, K].
+    Returns: (o [N, B, Hv, C, V], final state [B, Hv, K, V]).
+    """
+    k_dec_t = jnp.swapaxes(k_dec, -1, -2)  # [N, B, Hv, K, C]: a plain matmul in the loop
+
+    def step(S, xs):
+        wk_n, wv_n, o_intra_n, q_eff_n, k_dec_t_n, decay_n = xs
+        # [B, Hv, C, K] x [B, Hv, K, V] -> [B, Hv, C, V]
+        u = wv_n - _einsum("bhck,bhkv->bhcv", wk_n, S)
+        o = o_intra_n + _einsum("bhck,bhkv->bhcv", q_eff_n, S)
+        # [B, Hv, K, C] x [B, Hv, C, V] -> [B, Hv, K, V]
+        S_next = decay_n[:, :, None, None] * S + _einsum("bhkc,bhcv->bhkv", k_dec_t_n, u)
+        return S_next, o
+
+    final, o = jax.lax.scan(step, state, (wk, wv, o_intra, q_eff, k_dec_t, chunk_decay))
+    return o, final
 
 
 def _chunk_states(wk, wv, k_dec, chunk_decay, state):
@@ -174,18 +198,15 @@ def chunk_gated_delta_rule_xla(q, k, v, g, beta, *, scale, initial_state=None, c
     r = Hv // Hk
     C = chunk_size
     N = -(-T // C)
-    # Value head h uses key head h // r: repeat (not tile) along the head axis.
-    q = _chunk(jnp.repeat(q.astype(f32), r, axis=2) * scale, N, C)  # [N, B, Hv, C, K]
-    k = _chunk(jnp.repeat(k.astype(f32), r, axis=2), N, C)  # [N, B, Hv, C, K]
+    q = _chunk(q.astype(f32) * scale, N, C)  # [N, B, Hk, C, K]
+    k = _chunk(k.astype(f32), N, C)  # [N, B, Hk, C, K]
     v32 = _chunk(v.astype(f32), N, C)  # [N, B, Hv, C, V]
     beta = _chunk(beta.astype(f32), N, C)  # [N, B, Hv, C]
     # Cumsum in float32 even for 16-bit gates: b reaches |b| ~ 100 within a chunk and only the
     # differences b_i - b_j are used; bf16 rounding of |b| (~0.4 at 100) would swamp them.
     b = jnp.cumsum(_chunk(g.astype(f32), N, C), axis=-1)  # [N, B, Hv, C]
 
-    wk, wv, o_intra, q_eff, k_dec, chunk_decay = _intra_chunk(q, k, v32, b, beta)
-    starts, final = _chunk_states(wk, wv, k_dec, chunk_decay, state)
-    # [N, B, Hv, C, K] x [N, B, Hv, K, V] -> [N, B, Hv, C, V]
-    o = o_intra + _einsum("nbhck,nbhkv->nbhcv", q_eff, starts)
+    wk, wv, o_intra, q_eff, k_dec, chunk_decay = _intra_chunk(q, k, v32, b, beta, r)
+    o, final = _chunk_outputs(wk, wv, o_intra, q_eff, k_dec, chunk_decay, state)  # o [N, B, Hv, C, V]
     o = jnp.moveaxis(o, (0, 3), (1, 2)).reshape(B, N * C, Hv, V)[:, :T]  # [B, T, Hv, V]
     return o.astype(v.dtype), final
