@@ -18,8 +18,8 @@ from pallas_kernels.gated_delta_rule import (
     recurrent_gated_delta_rule_reference,
 )
 
-B, HK, K, V = 2, 2, 16, 32  # K != V so a swapped K/V axis cannot pass
-SCALE = K**-0.5
+from delta_inputs import B, HK, K, SCALE, V, err_ratio, make_inputs  # noqa: E402
+
 
 # Tolerances on the error ratio max|a - b| / max|b|, per dtype.
 # float32 has eps ~1.2e-7. The chunked form adds the same terms in another order (blocked
@@ -39,32 +39,8 @@ F64_TOL = 1e-5
 PARITY_TS = (1, 2, 63, 64, 65, 100, 300, 1000)
 
 
-def err_ratio(a, b):
-    """max|a - b| / max(max|b|, tiny), in float64."""
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b), initial=0.0) / max(np.max(np.abs(b), initial=0.0), 1e-30))
 
 
-def make_inputs(T, r, *, seed=0, qkv_dtype=jnp.float32, normalize_k=True):
-    """Random inputs with model-like gates; Hv = r * HK. Returns (q, k, v, g, beta, state)."""
-    rng = np.random.default_rng(seed)
-    hv = r * HK
-    q = rng.standard_normal((B, T, HK, K))
-    k = rng.standard_normal((B, T, HK, K))
-    if normalize_k:
-        # Unit keys keep (I - beta k k^T) a contraction, as in the model (keys are L2-normalised);
-        # unnormalised keys with beta ~ 1 make the state blow up and the ratio meaningless.
-        k /= np.linalg.norm(k, axis=-1, keepdims=True)
-    v = rng.standard_normal((B, T, hv, V))
-    # g = -exp(A_log) * softplus(a + dt_bias), as in Qwen3-Next; beta = sigmoid(b).
-    a_log = rng.uniform(-2.0, 1.0, size=(hv,))
-    g = -np.exp(a_log) * np.logaddexp(0.0, rng.standard_normal((B, T, hv)) - 1.0)
-    beta = 1.0 / (1.0 + np.exp(-rng.standard_normal((B, T, hv))))
-    state = rng.standard_normal((B, hv, K, V))
-    qkv = [jnp.asarray(x, qkv_dtype) for x in (q, k, v)]
-    rest = [jnp.asarray(x, jnp.float32) for x in (g, beta, state)]
-    return (*qkv, *rest)
 
 
 def naive_f64(q, k, v, g, beta, state, scale):

@@ -34,8 +34,8 @@ from pallas_kernels.gated_delta_rule import (
     recurrent_gated_delta_rule_reference,
 )
 
-B, HK, K, V = 2, 2, 16, 32  # B > 1 and K != V so a swapped batch or K/V axis cannot pass
-SCALE = K**-0.5
+from delta_inputs import SCALE, err_ratio, make_inputs  # noqa: E402
+
 PARITY_TS = (1, 2, 63, 64, 65, 100, 300)  # around the 64-token chunk, and 5 chunks
 
 # float32: the chunk kernels add the same terms as the reference in another order (blocked
@@ -55,27 +55,8 @@ GRAD_TOL = 1e-4
 MODEL_TOL = 1e-4
 
 
-def err_ratio(a, b):
-    """max|a - b| / max(max|b|, tiny), in float64."""
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b), initial=0.0) / max(np.max(np.abs(b), initial=0.0), 1e-30))
 
 
-def make_inputs(T, r, *, seed=0, qkv_dtype=jnp.float32):
-    """Random inputs, model-like gates, unit keys; Hv = r * HK. Returns (q, k, v, g, beta, s0)."""
-    rng = np.random.default_rng(seed)
-    hv = r * HK
-    q = rng.standard_normal((B, T, HK, K))
-    k = rng.standard_normal((B, T, HK, K))
-    k /= np.linalg.norm(k, axis=-1, keepdims=True)  # the model L2-normalises keys
-    v = rng.standard_normal((B, T, hv, V))
-    a_log = rng.uniform(-2.0, 1.0, size=(hv,))
-    g = -np.exp(a_log) * np.logaddexp(0.0, rng.standard_normal((B, T, hv)) - 1.0)
-    beta = 1.0 / (1.0 + np.exp(-rng.standard_normal((B, T, hv))))
-    s0 = rng.standard_normal((B, hv, K, V))
-    qkv = [jnp.asarray(x, qkv_dtype) for x in (q, k, v)]
-    return (*qkv, *[jnp.asarray(x, jnp.float32) for x in (g, beta, s0)])
 
 
 # These programs run once on tiny shapes, so compile time is the whole cost: LLVM at -O0 cuts it
