@@ -26,33 +26,33 @@ def gated_deltanet(p: GDNParams, x: Array, state: GDNState, valid: Array, cfg: C
     kd, vd = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     x = jnp.where(valid[..., None], x, 0)
 
-    qkv = (x @ p.in_qkv).astype(jnp.float32)  # [B, T, C], C = [q | k | v]
+    qkv = ops.dense(x, p.in_qkv).astype(jnp.float32)  # [B, T, C], C = [q | k | v]
     mixed, conv_state = ops.causal_conv(qkv, state.conv, p.conv.astype(jnp.float32), valid.sum(-1))
     q, k, v = jnp.split(mixed, [cfg.gdn_key_dim, 2 * cfg.gdn_key_dim], axis=-1)
     q, k = q.reshape(b, t, hk, kd), k.reshape(b, t, hk, kd)
     v = v.reshape(b, t, hv, vd).astype(x.dtype)
 
     # Gates in float32: beta in (0, 1); g = log-decay <= 0. Pads: g = 0, beta = 0 keep the state.
-    beta = jax.nn.sigmoid((x @ p.in_b).astype(jnp.float32))  # [B, T, Hv]
-    a = (x @ p.in_a).astype(jnp.float32)
+    beta = jax.nn.sigmoid(ops.dense(x, p.in_b).astype(jnp.float32))  # [B, T, Hv]
+    a = ops.dense(x, p.in_a).astype(jnp.float32)
     g = -jnp.exp(p.A_log.astype(jnp.float32)) * jax.nn.softplus(a + p.dt_bias.astype(jnp.float32))
     beta, g = jnp.where(valid[..., None], beta, 0.0), jnp.where(valid[..., None], g, 0.0)
 
     o, ssm = ops.delta_rule(q.astype(x.dtype), k.astype(x.dtype), v, g, beta, state.ssm, implementation)
-    z = (x @ p.in_z).reshape(b, t, hv, vd)
+    z = ops.dense(x, p.in_z).reshape(b, t, hv, vd)
     y = ops.gated_rms_norm(o, z, p.norm, cfg.rms_norm_eps).reshape(b, t, hv * vd)
-    return y @ p.out_proj, GDNState(conv=conv_state, ssm=ssm)
+    return ops.dense(y, p.out_proj), GDNState(conv=conv_state, ssm=ssm)
 
 
 def gated_attention(p: AttentionParams, x: Array, state: KVState, starts: Array, cfg: Config):
     """Gated full attention over the KV cache. x [B, T, D]; starts [B]: each row's cache length."""
     b, t, _ = x.shape
     hq, hkv, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    qg = (x @ p.q_proj).reshape(b, t, hq, 2 * dh)  # per head [q_h | gate_h]
+    qg = ops.dense(x, p.q_proj).reshape(b, t, hq, 2 * dh)  # per head [q_h | gate_h]
     q, gate = qg[..., :dh], qg[..., dh:].reshape(b, t, hq * dh)
     q = ops.rms_norm(q, p.q_norm, cfg.rms_norm_eps)
-    k = ops.rms_norm((x @ p.k_proj).reshape(b, t, hkv, dh), p.k_norm, cfg.rms_norm_eps)
-    v = (x @ p.v_proj).reshape(b, t, hkv, dh)
+    k = ops.rms_norm(ops.dense(x, p.k_proj).reshape(b, t, hkv, dh), p.k_norm, cfg.rms_norm_eps)
+    v = ops.dense(x, p.v_proj).reshape(b, t, hkv, dh)
 
     positions = starts[:, None] + jnp.arange(t, dtype=starts.dtype)  # [B, T]
     cos, sin = ops.rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
@@ -62,12 +62,12 @@ def gated_attention(p: AttentionParams, x: Array, state: KVState, starts: Array,
     v_buf = ops.write_kv(state.v, v.astype(state.v.dtype), starts)
     out = ops.attention(q, k_buf.astype(q.dtype), v_buf.astype(q.dtype), positions, dh**-0.5)
     out = out.reshape(b, t, hq * dh) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
-    return out @ p.o_proj, KVState(k=k_buf, v=v_buf)
+    return ops.dense(out, p.o_proj), KVState(k=k_buf, v=v_buf)
 
 
 def mlp(p: MLPParams, x: Array) -> Array:
     """SwiGLU: down(silu(gate(x)) * up(x))."""
-    return (jax.nn.silu(x @ p.gate) * (x @ p.up)) @ p.down
+    return ops.dense(jax.nn.silu(ops.dense(x, p.gate)) * ops.dense(x, p.up), p.down)
 
 
 def moe(p: MoEParams, x: Array, cfg: Config) -> Array:
@@ -78,17 +78,20 @@ def moe(p: MoEParams, x: Array, cfg: Config) -> Array:
     """
     shape = x.shape
     xs = x.reshape(-1, shape[-1])  # [N, D]
-    probs = jax.nn.softmax((xs @ p.router).astype(jnp.float32), axis=-1)  # [N, E]
+    probs = jax.nn.softmax(ops.dense(xs, p.router).astype(jnp.float32), axis=-1)  # [N, E]
     top_w, top_i = jax.lax.top_k(probs, cfg.num_experts_per_tok)  # [N, k]
     if cfg.norm_topk_prob:
         top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
     n = xs.shape[0]
     combine = jnp.zeros_like(probs).at[jnp.arange(n)[:, None], top_i].add(top_w)  # [N, E]
 
-    h = jax.nn.silu(jnp.einsum("nd,edi->eni", xs, p.gate)) * jnp.einsum("nd,edi->eni", xs, p.up)
-    experts = jnp.einsum("eni,eid->end", h, p.down)  # [E, N, D]
+    def einsum(spec, a, b):  # float32 accumulation, as in ops.dense
+        return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32).astype(xs.dtype)
+
+    h = jax.nn.silu(einsum("nd,edi->eni", xs, p.gate)) * einsum("nd,edi->eni", xs, p.up)
+    experts = einsum("eni,eid->end", h, p.down)  # [E, N, D]
     routed = jnp.einsum("ne,end->nd", combine.astype(xs.dtype), experts)
-    shared = mlp(p.shared, xs) * jax.nn.sigmoid((xs @ p.shared_gate).astype(jnp.float32)).astype(xs.dtype)
+    shared = mlp(p.shared, xs) * jax.nn.sigmoid(ops.dense(xs, p.shared_gate).astype(jnp.float32)).astype(xs.dtype)
     return (routed + shared).reshape(shape)
 
 

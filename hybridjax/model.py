@@ -59,5 +59,5 @@ def forward(
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)  # [B, 1, D]
     x = ops.rms_norm(x, params.final_norm, cfg.rms_norm_eps)
     head = params.embed.T if params.lm_head is None else params.lm_head  # [D, vocab]
-    logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
+    logits = ops.dense(x, head, jnp.float32)
     return logits, cache.replace(layers=tuple(states), lengths=starts + counts)
