@@ -1,9 +1,9 @@
 """Numerical building blocks shared by the layers: norms, RoPE, causal conv, attention.
 
 Precision policy (declared once, here): norms, softmax, gates and all recurrent state are
-computed in float32; matmuls take the parameter dtype and accumulate in float32 (`dense`). The delta rule itself is chosen in
-`pallas_kernels.gated_delta_rule` (reference / xla / pallas); `delta_rule` below is the one
-place the model reaches it.
+computed in float32; matmuls take the parameter dtype and accumulate in float32 (`dense`).
+The delta rule itself is chosen in `pallas_kernels.gated_delta_rule` (reference / xla /
+pallas); `delta_rule` below is the one place the model reaches it.
 """
 
 from __future__ import annotations

@@ -133,44 +133,43 @@ def _intra_chunk(q, k, v, b, beta, r):
     return wk, wv, o_intra, q_eff, k_dec, chunk_decay
 
 
-def _chunk_outputs(wk, wv, o_intra, q_eff, k_dec, chunk_decay, state):
-    """Carry the state across chunks, emitting each chunk's output on the way.
+def _next_state(S, wk, wv, k_dec_t, decay):
+    """The state leaving a chunk from the state S [B, Hv, K, V] entering it."""
+    # [B, Hv, C, K] x [B, Hv, K, V] -> [B, Hv, C, V]: the chunk's new values
+    u = wv - _einsum("bhck,bhkv->bhcv", wk, S)
+    # [B, Hv, K, C] x [B, Hv, C, V] -> [B, Hv, K, V]
+    return decay[:, :, None, None] * S + _einsum("bhkc,bhcv->bhkv", k_dec_t, u)
 
-    Args: as `_chunk_states`, plus o_intra [N, B, Hv, C, V] and q_eff [N, B, Hv, C, K].
+
+def _chunk_outputs(wk, wv, o_intra, q_eff, k_dec, chunk_decay, state):
+    """Carry the state across chunks (the only sequential part), emitting each chunk's output.
+
+    Args: wk, q_eff, k_dec [N, B, Hv, C, K]; wv, o_intra [N, B, Hv, C, V]; chunk_decay
+      [N, B, Hv]; state [B, Hv, K, V] entering chunk 0.
     Returns: (o [N, B, Hv, C, V], final state [B, Hv, K, V]).
     """
-    k_dec_t = jnp.swapaxes(k_dec, -1, -2)  # [N, B, Hv, K, C]: a plain matmul in the loop
 
     def step(S, xs):
         wk_n, wv_n, o_intra_n, q_eff_n, k_dec_t_n, decay_n = xs
-        # [B, Hv, C, K] x [B, Hv, K, V] -> [B, Hv, C, V]
-        u = wv_n - _einsum("bhck,bhkv->bhcv", wk_n, S)
         o = o_intra_n + _einsum("bhck,bhkv->bhcv", q_eff_n, S)
-        # [B, Hv, K, C] x [B, Hv, C, V] -> [B, Hv, K, V]
-        S_next = decay_n[:, :, None, None] * S + _einsum("bhkc,bhcv->bhkv", k_dec_t_n, u)
-        return S_next, o
+        return _next_state(S, wk_n, wv_n, k_dec_t_n, decay_n), o
 
+    k_dec_t = jnp.swapaxes(k_dec, -1, -2)  # [N, B, Hv, K, C]: a plain matmul in the loop
     final, o = jax.lax.scan(step, state, (wk, wv, o_intra, q_eff, k_dec_t, chunk_decay))
     return o, final
 
 
 def _chunk_states(wk, wv, k_dec, chunk_decay, state):
-    """Carry the state across chunks: the only sequential part.
+    """The same scan, emitting the state entering each chunk (the backward recomputes them).
 
-    Args: wk, k_dec [N, B, Hv, C, K]; wv [N, B, Hv, C, V]; chunk_decay [N, B, Hv];
-      state [B, Hv, K, V] entering chunk 0.
     Returns: (state entering each chunk [N, B, Hv, K, V], final state [B, Hv, K, V]).
     """
 
     def step(S, xs):
-        wk_n, wv_n, k_dec_n, decay_n = xs
-        # [B, Hv, C, K] x [B, Hv, K, V] -> [B, Hv, C, V]
-        u = wv_n - _einsum("bhck,bhkv->bhcv", wk_n, S)
-        # [B, Hv, C, K] x [B, Hv, C, V] -> [B, Hv, K, V]
-        S_next = decay_n[:, :, None, None] * S + _einsum("bhck,bhcv->bhkv", k_dec_n, u)
-        return S_next, S
+        return _next_state(S, *xs), S
 
-    final, starts = jax.lax.scan(step, state, (wk, wv, k_dec, chunk_decay))
+    k_dec_t = jnp.swapaxes(k_dec, -1, -2)
+    final, starts = jax.lax.scan(step, state, (wk, wv, k_dec_t, chunk_decay))
     return starts, final
 
 
