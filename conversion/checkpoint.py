@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from conversion.hf import CheckpointError, assemble, leaf_shapes, load_hf, open_hf, path_str
-from hybridjax.config import Config, load_config
+from hybridjax.config import Config, load_config, read_json
 from hybridjax.params import FLOAT32_LEAVES, Params, is_shape, param_shapes
 
 FORMAT = "hybridjax-orbax"
@@ -105,10 +105,7 @@ def read_marker(path: Path) -> dict:
     marker = Path(path) / MARKER
     if not marker.is_file():
         raise CheckpointError(f"{path}: not a converted hybridjax checkpoint (no {MARKER})")
-    try:
-        info = json.loads(marker.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{marker}: invalid JSON ({e})") from None
+    info = read_json(marker, CheckpointError)
     if not isinstance(info, dict) or info.get("format") != FORMAT:
         raise CheckpointError(f"{marker}: 'format' is {info.get('format') if isinstance(info, dict) else None!r}, expected {FORMAT!r}")
     if info.get("format_version") != FORMAT_VERSION:

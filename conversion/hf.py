@@ -9,7 +9,6 @@ memory stays near one tensor beyond the loaded model. Every problem with the che
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from contextlib import ExitStack
 from pathlib import Path
@@ -22,7 +21,7 @@ import numpy as np
 from safetensors import safe_open
 
 from conversion.names import IGNORED_PREFIXES, KEPT_PREFIXES, Rule, rules_for
-from hybridjax.config import Config, load_config
+from hybridjax.config import Config, load_config, read_json
 from hybridjax.params import FLOAT32_LEAVES, Params, is_shape, param_shapes
 
 log = logging.getLogger(__name__)
@@ -44,7 +43,10 @@ def _shard_map(model_dir: Path) -> dict[str, Path]:
     """tensor name -> the safetensors file holding it."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json(index, CheckpointError)
+        if not isinstance(weight_map, dict) or not isinstance(weight_map.get("weight_map"), dict):
+            raise CheckpointError(f"{index}: no 'weight_map' object")
+        weight_map = weight_map["weight_map"]
         files = {f: model_dir / f for f in set(weight_map.values())}
         missing = sorted(f for f, p in files.items() if not p.is_file())
         if missing:

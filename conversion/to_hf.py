@@ -30,7 +30,7 @@ import numpy as np
 from conversion.checkpoint import CheckpointReader, Report, copy_aux_files, read_marker, staged_dir
 from conversion.hf import CheckpointError, leaf_shapes, path_str
 from conversion.names import Rule, rules_for
-from hybridjax.config import Config
+from hybridjax.config import Config, read_json
 from hybridjax.params import FLOAT32_LEAVES, Params
 
 _ST_TAGS = {
@@ -213,7 +213,7 @@ def write_shards(cfg: Config, abstract: Params, fetch: Callable[[str], dict[str,
 
 def _config_json(src: Path, dst: Path, dtype: str) -> None:
     """Copy config.json, rewriting its dtype fields only when the weights' dtype changed."""
-    raw = json.loads(src.read_text())
+    raw = read_json(src, CheckpointError)
     changed = False
     for d in (raw, raw.get("text_config") or {}):
         for key in ("dtype", "torch_dtype"):

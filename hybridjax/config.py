@@ -226,6 +226,14 @@ def _check_sizes(cfg: Config) -> None:
         )
 
 
+def read_json(path: str | Path, error: type[Exception] = ConfigError) -> Any:
+    """Parse a JSON file; unparsable content raises `error` naming the file."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{path}: invalid JSON ({e})") from None
+
+
 def load_config(model_dir: str | Path) -> Config:
     """Read `<model_dir>/config.json` (or a path to the json itself)."""
     path = Path(model_dir)
@@ -233,8 +241,4 @@ def load_config(model_dir: str | Path) -> Config:
         path = path / "config.json"
     if not path.is_file():
         raise ConfigError(f"no config.json found at {path}")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: invalid JSON ({e})") from None
-    return config_from_dict(raw)
+    return config_from_dict(read_json(path))

@@ -19,6 +19,8 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
+from hybridjax.config import read_json
+
 SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
@@ -112,10 +114,7 @@ class Tokenizer:
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise TokenizerError(f"{path}: invalid JSON ({e})") from None
+    return read_json(path, TokenizerError)
 
 
 class StreamDecoder:

@@ -244,6 +244,12 @@ def _sharded_missing_one(tmp_path):
     return d, victim.name
 
 
+def _sharded_bad_index(tmp_path):
+    d = hf_models.qwen3_5_dense(tmp_path / "bad", max_shard_size="20KB")
+    (d / "model.safetensors.index.json").write_text('{"weight_map": ')
+    return d
+
+
 def _copy_with(hf_dirs, tmp_path, config=None, drop=()):
     d = tmp_path / "bad"
     shutil.copytree(hf_dirs["qwen3_5_dense"], d)
@@ -264,6 +270,7 @@ HF_ERRORS = {
     "no safetensors": (lambda t, h: _copy_with(h, t, drop=["*.safetensors"]), "{d}: no *.safetensors files found"),
     "missing shard": (lambda t, h: _sharded_missing_one(t)[0],
                       "shard(s) listed in model.safetensors.index.json are missing: model-00002-of-"),
+    "corrupt index": (lambda t, h: _sharded_bad_index(t), "{d}/model.safetensors.index.json: invalid JSON"),
     "missing tensor": (lambda t, h: _corrupt(h, t, lambda x: x.pop("model.layers.0.linear_attn.A_log")),
                        "checkpoint does not match config.json: missing tensors (1): model.layers.0.linear_attn.A_log"),
     "unknown tensor": (lambda t, h: _corrupt(h, t, _put("model.layers.0.bogus", np.zeros(2, np.float32))),

@@ -76,6 +76,13 @@ def test_missing_shard_is_named(tmp_path):
         hybridjax.load_hf(sharded)
 
 
+def test_index_without_weight_map_is_named(tmp_path):
+    sharded = hf_models.qwen3_5_dense(tmp_path / "sharded", max_shard_size="20KB")
+    (sharded / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json: no 'weight_map' object"):
+        hybridjax.load_hf(sharded)
+
+
 def _copy(src, dst):
     shutil.copytree(src, dst)
     return dst
