@@ -39,6 +39,10 @@ def _token_ids(s: str) -> list[int]:
     return ids
 
 
+# Measured on CPU (benchmarks/README.md): float32 decodes faster, bfloat16 prefills faster.
+DTYPE_HELP = "weights dtype (default: float32; on CPU bfloat16 prefills faster but decodes slower)"
+
+
 def load_model(model: str | None, dtype: str | None = None):
     """(cfg, params, tokenizer or None, name) for a model directory, or the embedded default."""
     if model is None:
@@ -123,8 +127,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                   help="weights dtype (default: float32, the fast choice on CPU)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help=DTYPE_HELP)
     p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
     p.add_argument("--json", action="store_true", help='print {"prompt_token_ids", "token_ids", "text"}')
     p.set_defaults(func=cmd_generate)
@@ -158,7 +161,7 @@ def _add_serve(sub) -> None:
                    help="snapshot every N prompt tokens of a long prefill (0 = off)")
     p.add_argument("--prefix-cache-dir", help="persist snapshots here across restarts")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help=DTYPE_HELP)
     p.set_defaults(func=cmd_serve)
 
 
