@@ -20,7 +20,6 @@ from pallas_kernels.gated_delta_rule import (
 
 from delta_inputs import B, HK, K, SCALE, V, err_ratio, make_inputs  # noqa: E402
 
-
 # Tolerances on the error ratio max|a - b| / max|b|, per dtype.
 # float32 has eps ~1.2e-7. The chunked form adds the same terms in another order (blocked
 # matmuls, the triangular inverse, exp(b_i - b_j) instead of a running product of exp(g_t)), so
@@ -37,10 +36,6 @@ GRAD_TOL = 1e-4
 F64_TOL = 1e-5
 
 PARITY_TS = (1, 2, 63, 64, 65, 100, 300, 1000)
-
-
-
-
 
 
 def naive_f64(q, k, v, g, beta, state, scale):
