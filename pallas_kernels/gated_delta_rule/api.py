@@ -35,6 +35,7 @@ from .backward import gated_delta_rule_with_vjp
 from .chunk import chunk_gated_delta_rule_pallas
 from .recurrent import recurrent_gated_delta_rule_pallas
 from .reference import recurrent_gated_delta_rule_reference
+from .xla import CHUNK_SIZE as XLA_CHUNK_SIZE  # tuned in xla.py
 from .xla import chunk_gated_delta_rule_xla
 
 # At or below this many tokens a token-by-token scan beats the chunked form: a chunk pads
@@ -43,12 +44,6 @@ from .xla import chunk_gated_delta_rule_xla
 RECURRENT_MAX_TOKENS = 16
 
 IMPLEMENTATIONS = ("pallas", "reference", "xla")
-
-# Chunk size of the "xla" forward. On XLA:CPU (JAX 0.10.2, 2 cores) 32 beat 64 at a Qwen3.5
-# layer (Hv = 32, K = V = 128), alternating runs: 1.14x / 1.40x / 1.47x at T = 512 / 2048 / 8192.
-# Its batched [C, C] and [C, K] x [K, V] matmuls run far below big-matmul speed, so halving the
-# C x C work and the C - 1 sequential inverse rows pays more than the doubled scan length costs.
-XLA_CHUNK_SIZE = 32
 
 # Backends the Pallas kernels compile for (Triton); CPU runs them in the interpreter.
 _PALLAS_GPU_PLATFORMS = ("cuda", "rocm")
@@ -95,7 +90,11 @@ def _auto(q, k, v, g, beta, *, scale, initial_state):
 
 
 def _check_pallas_can_run():
-    """Fail fast: the Pallas kernels are Triton kernels (GPU) or interpreted (CPU), nothing else."""
+    """Fail fast: the Pallas kernels are Triton kernels (GPU) or interpreted (CPU), nothing else.
+
+    Checks the host's default backend at trace time (the lowering target is not visible here:
+    `platform_dependent` traces every branch); the interpreter/Triton choice itself follows the
+    platform lowered for."""
     backend = jax.default_backend()
     if backend not in ("cpu", "gpu", *_PALLAS_GPU_PLATFORMS):
         raise ValueError(

@@ -27,22 +27,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .xla import _chunk, _chunk_states, _einsum, _intra_chunk
+from .xla import _chunk, _chunk_states, _einsum, _prepare
 
 f32 = jnp.float32
 
-# Same trade-off as api.XLA_CHUNK_SIZE; measured 1.07x / 1.08x / 1.16x faster than 64 at
+# Same trade-off as xla.CHUNK_SIZE; measured 1.07x / 1.08x / 1.16x faster than 64 at
 # T = 512 / 2048 / 8192 on XLA:CPU. (The backward's chunking is independent of the forward's.)
 BACKWARD_CHUNK_SIZE = 32
-
-
-def _prepare(q, k, v, g, beta, *, scale, r, n, c):
-    """Inputs [B, T, ...] -> the per-chunk quantities of `xla._intra_chunk`, [N, B, Hv, C, ...]."""
-    qc = _chunk(q.astype(f32) * scale, n, c)  # [N, B, Hk, C, K]
-    kc = _chunk(k.astype(f32), n, c)  # [N, B, Hk, C, K]
-    vc = _chunk(v.astype(f32), n, c)  # [N, B, Hv, C, V]
-    b = jnp.cumsum(_chunk(g.astype(f32), n, c), axis=-1)  # [N, B, Hv, C], float32 cumsum
-    return _intra_chunk(qc, kc, vc, b, _chunk(beta.astype(f32), n, c), r)
 
 
 def _reverse_step(ds, xs):
@@ -75,11 +66,9 @@ def gated_delta_rule_backward(q, k, v, g, beta, initial_state, do, d_final, *, s
 
     do [B, T, Hv, V] and d_final [B, Hv, K, V] are the cotangents of (o, final_state).
     """
-    B, T, Hk, _ = q.shape
-    Hv = v.shape[2]
     c = chunk_size
-    n = -(-T // c)
-    prep = functools.partial(_prepare, scale=scale, r=Hv // Hk, n=n, c=c)
+    n = -(-q.shape[1] // c)
+    prep = functools.partial(_prepare, scale=scale, n=n, c=c)
     (wk, wv, _, q_eff, k_dec, decay), intra_vjp = jax.vjp(prep, q, k, v, g, beta)
     starts, _ = _chunk_states(wk, wv, k_dec, decay, initial_state.astype(f32))  # [N, B, Hv, K, V]
     do_c = _chunk(do.astype(f32), n, c)  # [N, B, Hv, C, V], zero on pads

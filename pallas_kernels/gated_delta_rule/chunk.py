@@ -82,7 +82,7 @@ def unit_lower_inverse(a):
     indexing, so this lowers to Triton (where a register tile cannot be indexed).
     """
     c = a.shape[0]
-    row, _ = _row_index(c)
+    row, col = _row_index(c)
 
     def body(i, m):
         a_i = jnp.sum(jnp.where(row == i, a, 0.0), axis=0)  # [C] row i of A
@@ -90,7 +90,6 @@ def unit_lower_inverse(a):
         return jnp.where(row == i, m_i[None, :], m)
 
     m = jax.lax.fori_loop(1, c, body, jnp.zeros_like(a))
-    _, col = _row_index(c)
     return m + jnp.where(row == col, 1.0, 0.0)
 
 
@@ -163,7 +162,7 @@ def _pad_to(x, axis, size):
 
 def _forward(q, k, v, g, beta, s0, *, scale, chunk_size, interpret):
     """Padded inputs: q, k [B, T, Hk, K], v [B, T, Hv, V], g, beta [B, T, Hv], s0 [B, Hv, K, V]
-    float32, with T % C == 0 and K, V powers of two. Returns (o [B, T, Hv, V], h, final)."""
+    float32, with T % C == 0 and K, V powers of two. Returns (o [B, T, Hv, V], final)."""
     B, T, Hk, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
     r, c = Hv // Hk, chunk_size
@@ -230,7 +229,7 @@ def _forward(q, k, v, g, beta, s0, *, scale, chunk_size, interpret):
         compiler_params=triton_params(num_warps=4),
         name="gdr_output",
     )(q, k, b, u, h)
-    return o, h, final
+    return o, final
 
 
 def run_on_platform(fn, interpret, *args):
@@ -285,5 +284,5 @@ def chunk_gated_delta_rule_pallas(
         return jnp.zeros((B, 0, Hv, V), v.dtype), s
     padded = pad_inputs(q, k, v, g, beta, initial_state, chunk_size)
     fwd = functools.partial(_forward, scale=scale, chunk_size=chunk_size)
-    o, _, final = run_on_platform(fwd, interpret, *padded)
+    o, final = run_on_platform(fwd, interpret, *padded)
     return o[:, :T, :, :V], final[:, :, :K, :V]
