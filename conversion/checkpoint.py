@@ -54,9 +54,10 @@ AUX_FILES = (
 def check_out(out: Path, force: bool, sources: tuple[Path, ...] = ()) -> Path:
     """Refuse an existing `out` (unless force) and an `out` that overlaps a source."""
     out = Path(out).absolute()
+    real_out = out.resolve()  # through `..` and symlinks: `--force` must never replace a source
     for src in sources:
-        src = Path(src).absolute()
-        if out == src or src in out.parents or out in src.parents:
+        src = Path(src).resolve()
+        if real_out == src or src in real_out.parents or real_out in src.parents:
             raise CheckpointError(f"output {out} overlaps the source directory {src}; choose another --out")
     if out.exists() and not force:
         raise CheckpointError(f"output already exists: {out} (use --force to replace it)")

@@ -9,6 +9,7 @@ text model, so it is dropped on the way in (the CLI says so) and left out of the
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -317,6 +318,9 @@ def test_usage_and_checkpoint_errors(hf_dirs, converted, tmp_path, capsys):
     cases = [
         (["--hf-dir", str(src), "--out", str(out)], f"output already exists: {out} (use --force to replace it)"),
         (["--hf-dir", str(src), "--out", str(src / "sub")], "overlaps the source directory"),
+        # the source itself, spelled through `..`: --force must not replace it
+        (["--hf-dir", str(src), "--out", os.path.join(out, os.path.relpath(src, out)), "--force"],
+         "overlaps the source directory"),
         (["--out", str(tmp_path / "o")], "--hf-dir DIR is required"),
         (["--to-hf", "--out", str(tmp_path / "o")], "--to-hf needs --checkpoint DIR"),
         (["--checkpoint", str(ck), "--out", str(tmp_path / "o")], "--checkpoint is the source of --to-hf"),
