@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from conversion.hf import CheckpointError, assemble, leaf_shapes, load_hf, open_hf, path_str
+from conversion.hf import CheckpointError, assemble, flat_leaves, leaf_shapes, load_hf, open_hf, read_params
 from hybridjax.config import Config, load_config, read_json
 from hybridjax.params import FLOAT32_LEAVES, Params, is_shape, param_shapes
 
@@ -202,9 +202,9 @@ class CheckpointReader:
             return {}
         restore_args = jax.tree_util.tree_map(lambda s: ocp.RestoreArgs(restore_type=np.ndarray, dtype=s.dtype), item)
         got = self._restore(ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True))
-        want = dict(_flat(item))
+        want = flat_leaves(item)
         out = {}
-        for path, x in _flat(got):
+        for path, x in flat_leaves(got).items():
             if tuple(x.shape) != tuple(want[path].shape):  # host restores do not check shapes themselves
                 raise CheckpointError(f"{self.params_dir}: stored array {path} has shape {tuple(x.shape)}, expected {want[path].shape}")
             out[path] = x
@@ -241,11 +241,6 @@ class CheckpointReader:
             raise CheckpointError(f"{self.params_dir}: cannot restore the params ({' '.join(str(e).split())[:500]})") from None
 
 
-def _flat(tree) -> list[tuple[str, object]]:
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return [(path_str(p), x) for p, x in flat]
-
-
 def load_checkpoint(path: str | Path, dtype=None) -> tuple[Config, Params]:
     """(Config, Params) from a converted checkpoint; `dtype` None keeps the stored dtype."""
     reader = CheckpointReader(path, dtype)
@@ -257,34 +252,31 @@ def save_checkpoint(
     out: str | Path,
     *,
     config_dir: str | Path,
-    aux_dir: str | Path | None = None,
     force: bool = False,
     gate_hf_dtype=None,
     source: dict | None = None,
 ) -> Path:
     """Write `params` as a converted checkpoint at `out` (staged, then renamed into place).
 
-    config.json (and the tokenizer files, from `aux_dir`, default `config_dir`) are copied
-    from `config_dir`. `gate_hf_dtype`: the dtype the export back to HF writes A_log / dt_bias
+    config.json and the tokenizer files are copied from `config_dir`. `gate_hf_dtype`: the dtype the export back to HF writes A_log / dt_bias
     in (default float32, the dtype they are kept in here).
     """
     config_dir = Path(config_dir)
     cfg_json = config_dir / "config.json"
     if not cfg_json.is_file():
         raise CheckpointError(f"no config.json found at {cfg_json}")
-    sources = (config_dir, Path(aux_dir or config_dir))
-    with staged_dir(Path(out), force, sources) as tmp:
+    with staged_dir(Path(out), force, (config_dir,)) as tmp:
         with _checkpointer() as ckpt:
             ckpt.save((tmp / PARAMS_DIR).absolute(), args=_save_args(params))
         shutil.copyfile(cfg_json, tmp / "config.json")
-        copy_aux_files(Path(aux_dir or config_dir), tmp)
+        copy_aux_files(config_dir, tmp)
         info = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "dtype": jnp.dtype(params.embed.dtype).name,
             "gate_hf_dtype": jnp.dtype(gate_hf_dtype or jnp.float32).name,
             "extra": {n: {"shape": list(x.shape), "dtype": jnp.dtype(x.dtype).name} for n, x in params.extra.items()},
-            "shapes": {n: list(x.shape) for n, x in _flat(params.replace(extra={}))},
+            "shapes": {n: list(x.shape) for n, x in flat_leaves(params.replace(extra={})).items()},
             "source": source or {},
         }
         (tmp / MARKER).write_text(json.dumps(info, indent=2) + "\n")
@@ -338,9 +330,8 @@ def convert_hf(
         dropped, kept, cfg = src.dropped, src.kept, src.cfg
         gate_names = [n for r in src.rules for p, n in zip(r.params, r.hf) if p.rsplit(".", 1)[-1] in FLOAT32_LEAVES]
         gate_src = src.reader.dtype(gate_names[0]) if gate_names else np.dtype("float32")
-    target = jnp.dtype(stored if dtype is None else dtype)
-    step = progress(n_leaves, total) if progress else None
-    _, params = load_hf(hf_dir, dtype=target, progress=step)
+        target = jnp.dtype(stored if dtype is None else dtype)
+        params = read_params(src, target, progress(n_leaves, total) if progress else None)
     # Write the gates back as the source stored them when it stored them in the model dtype.
     gate_hf = target if gate_src == target else jnp.dtype("float32")
     source = {"path": str(hf_dir.absolute()), "model_type": cfg.model_type, "dtype": np.dtype(stored).name,

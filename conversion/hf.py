@@ -231,19 +231,30 @@ def load_hf(model_dir: str | Path, dtype="float32", progress: Callable[[int], No
     `progress(nbytes)`, if given, is called after each tensor is read.
     """
     with open_hf(model_dir) as src:
-        cfg, reader = src.cfg, src.reader
-        dtype = src.stored_dtype() if dtype is None else jnp.dtype(dtype)
-        leaves = {}
-        for path, arr in iter_params(src.rules, reader, cfg):
-            leaves[path] = to_device(path, arr, dtype)
-            if progress:
-                progress(arr.nbytes)  # transforms keep size and dtype: these add up to the bytes read
-        extra = {}
-        for n in src.kept:
-            extra[n] = jnp.asarray(reader.get(n))
-            if progress:
-                progress(reader.nbytes(n))
-        skipped = [n for n in src.names if n.startswith(IGNORED_PREFIXES)]
+        return src.cfg, read_params(src, dtype, progress)
+
+
+def read_params(src: HFSource, dtype="float32", progress: Callable[[int], None] | None = None) -> Params:
+    """The Params of an opened HF directory (see `load_hf`), one tensor at a time."""
+    cfg, reader = src.cfg, src.reader
+    dtype = src.stored_dtype() if dtype is None else jnp.dtype(dtype)
+    leaves = {}
+    for path, arr in iter_params(src.rules, reader, cfg):
+        leaves[path] = to_device(path, arr, dtype)
+        if progress:
+            progress(arr.nbytes)  # transforms keep size and dtype: these add up to the bytes read
+    extra = {}
+    for n in src.kept:
+        extra[n] = jnp.asarray(reader.get(n))
+        if progress:
+            progress(reader.nbytes(n))
+    skipped = [n for n in src.names if n.startswith(IGNORED_PREFIXES)]
     if skipped:
         log.info("skipped %d non-text tensors (%s...)", len(skipped), IGNORED_PREFIXES[0])
-    return cfg, assemble(cfg, leaves, extra)
+    return assemble(cfg, leaves, extra)
+
+
+def flat_leaves(tree) -> dict:
+    """{dotted path: leaf} of a pytree (the names of `leaf_shapes` for Params)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {path_str(p): x for p, x in flat}

@@ -23,21 +23,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from conversion.checkpoint import CheckpointReader, Report, copy_aux_files, read_marker, staged_dir
-from conversion.hf import CheckpointError, leaf_shapes, path_str
+from conversion.checkpoint import CheckpointReader, Report, copy_aux_files, staged_dir
+from conversion.hf import _ST_DTYPES, CheckpointError, flat_leaves, leaf_shapes
 from conversion.names import Rule, rules_for
 from hybridjax.config import Config, read_json
 from hybridjax.params import FLOAT32_LEAVES, Params
 
-_ST_TAGS = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3",
-    "float8_e5m2": "F8_E5M2", "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
-    "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL",
-}
+_ST_TAGS = {name: tag for tag, name in _ST_DTYPES.items()}  # numpy dtype name -> safetensors tag
 _ZERO_BYTES = np.dtype([])  # itemsize 0: shape-only stand-ins for the plan
 WRAPPER_TYPES = ("qwen3_5", "qwen3_5_moe")
 INDEX = "model.safetensors.index.json"
@@ -72,7 +67,7 @@ class Entry:
 def plan(cfg: Config, params: Params, gate_dtype) -> list[tuple[Rule | str, list[Entry]]]:
     """Every HF tensor to write, grouped by the rule (or extra tensor name) producing it.
     `params` may hold arrays or jax.ShapeDtypeStruct: only leaf dtypes are read."""
-    shapes, leaves = leaf_shapes(cfg), flat_leaves(params)
+    shapes, leaves = leaf_shapes(cfg), flat_leaves(params.replace(extra={}))
     groups: list[tuple[Rule | str, list[Entry]]] = []
     for rule in rules_for(cfg, hf_root(cfg), fused_experts=False):
         probes = [np.zeros(shapes[p], _ZERO_BYTES) for p in rule.params]
@@ -88,11 +83,6 @@ def _out_dtype(rule: Rule, leaves: dict, gate_dtype) -> np.dtype:
     if all(p.rsplit(".", 1)[-1] in FLOAT32_LEAVES for p in rule.params):
         return np.dtype(gate_dtype)
     return np.dtype(leaves[rule.params[0]].dtype)
-
-
-def flat_leaves(params: Params) -> dict:
-    flat, _ = jax.tree_util.tree_flatten_with_path(params.replace(extra={}))
-    return {path_str(p): x for p, x in flat}
 
 
 def group_of(path: str) -> str:
@@ -168,7 +158,7 @@ def write_hf(
     """Write in-memory `params` as safetensors shards (+ index when more than one) into an
     existing directory. Returns (tensors, bytes, shards). A_log / dt_bias are written in
     `gate_dtype`, extra tensors as stored."""
-    leaves = {**flat_leaves(params), **{f"extra.{n}": x for n, x in params.extra.items()}}
+    leaves = {**flat_leaves(params.replace(extra={})), **{f"extra.{n}": x for n, x in params.extra.items()}}
 
     def fetch(key: str) -> dict[str, np.ndarray]:
         return {p: np.asarray(x) for p, x in leaves.items() if group_of(p) == key}
@@ -237,10 +227,10 @@ def export_hf(
     """Converted checkpoint -> HF directory (safetensors shards, index, config, tokenizer files)."""
     start = time.perf_counter()
     checkpoint = Path(checkpoint)
-    info = read_marker(checkpoint)
+    reader = CheckpointReader(checkpoint, dtype)  # reads and checks the marker and config
+    info = reader.info
     parse_size(max_shard_size)  # fail before loading anything
     with staged_dir(Path(out), force, (checkpoint,)) as tmp:
-        reader = CheckpointReader(checkpoint, dtype)
         cfg, model_dtype = reader.cfg, reader.dtype.name
         # Gates go back in the model dtype only if the source stored them so (see convert_hf).
         keep = info.get("gate_hf_dtype", "float32") == info["dtype"]
