@@ -8,7 +8,7 @@ One process, a random Qwen3.5 dense text model built directly in hybridjax (floa
 of 64, intermediate 3072, vocab 32000, untied head: ~0.23 B params). Token ids are random.
 
 Time to first token of the next turn. For a target prompt length P (2048 and 8192; --quick:
-512 and 2048) the chat is: history H = P - 127 random tokens, the previous turn's response
+512 and 2048) the chat is: history H = P - 128 random tokens, the previous turn's response
 (R = 64 greedy tokens the engine generates), and U = 63 new tokens. P - 1 fits the KV bucket P,
 so neither path pays for a bucket crossing or for padding past P.
   cached  an Engine with a SnapshotStore served the previous turn (prompt H, max_tokens R), which
@@ -66,13 +66,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import hybridjax.engine as engine_mod  # noqa: E402
-from hybridjax.cache import init_cache  # noqa: E402
+from hybridjax.cache import init_cache, nbytes  # noqa: E402
 from hybridjax.config import FULL, config_from_dict  # noqa: E402
 from hybridjax.engine import Engine, GenerationRequest  # noqa: E402
 from hybridjax.generate import (  # noqa: E402
     _next_token_jit, decode_step_donating, init_sampler, pad_prompts, prefill, sample_and_decode_donating,
 )
-from hybridjax.params import GDNParams, init_params, nbytes  # noqa: E402
+from hybridjax.params import GDNParams, init_params  # noqa: E402
 from hybridjax.prefix_cache import SnapshotStore  # noqa: E402
 from hybridjax.sampling import sampling_params  # noqa: E402
 

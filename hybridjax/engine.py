@@ -23,7 +23,6 @@ import itertools
 import logging
 import queue
 import threading
-import time
 from collections import Counter, deque
 from typing import AsyncIterator, Iterator, Sequence
 
@@ -261,7 +260,7 @@ class Engine:
                 # Requests admitted together that share a prefix: the first one snapshots it.
                 shared = _shared_prefix(reqs[k + 1 :], reqs[k]) if self.store is not None else 0
                 self._start(handle, hit, row, shared)
-            except Exception as e:
+            except Exception:
                 log.exception("admission failed")
                 self.counters["errors"] += 1
                 handle.finish_reason = "error"  # as in _fail_all: the handle must say how it ended

@@ -146,10 +146,6 @@ def cast_params(params: Params, dtype) -> Params:
     return jax.tree_util.tree_map_with_path(cast, params)
 
 
-def nbytes(tree) -> int:
-    return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree))
-
-
 # --- random init (tests, benchmarks, the embedded default model) ----------------------
 
 
