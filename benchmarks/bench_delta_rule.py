@@ -1,7 +1,9 @@
-"""Gated delta rule: token-by-token reference vs chunked XLA on CPU; Pallas vs XLA on a GPU.
+"""Gated delta rule: reference vs chunked XLA on CPU; Pallas vs XLA on a GPU; sm_90 compile table.
 
     python benchmarks/bench_delta_rule.py [--quick] [--lengths 512,2048,8192] [--repeats 3]
                                           [--max-temp-gb 6] [--json OUT]
+                                          [--compile-table] [--archs 90,89] [--fla-src DIR]
+                                          [--skip-timing]
 
 One Qwen3.5-like Gated DeltaNet layer: batch 1, Hk = 16 key heads, Hv = 32 value heads,
 K = V = 128, float32 inputs on CPU (bfloat16 on GPU), unit keys, model-like gates. For each T:
@@ -27,11 +29,23 @@ FLOPs are counted per algorithm (multiply-add = 2), per token and value head:
 and fwd+bwd is counted as 3x fwd. ratio = the baseline's best time / this row's ("-" when
 the baseline was skipped). On a GPU (`jax.devices("gpu")` non-empty) a second table compares
 "pallas" against the baseline "xla" (bfloat16 inputs); without one it prints a skip line.
+
+--compile-table (needs the `triton` package; no GPU): the public entry point with
+implementation="pallas" (default "fast" policy, fused L2 norm, bf16 q/k/v) is lowered for CUDA
+at the layer above, T = max(--lengths) (prefill kernels, and the gradient's two backward state
+passes) and T = 1 (decode kernel), each Triton kernel is
+compiled offline for every --archs target with that generation's block sizes, and a table gives
+per kernel: wgmma / mma (tensor-core) and scalar FMA instruction counts in the PTX, registers,
+stack bytes, SASS local loads/stores (spills), shared memory against the target's limit
+(pallas_kernels/triton_offline.py). With --fla-src pointing at a checkout of
+flash-linear-attention, the same table is printed for fla's forward kernels
+(benchmarks/fla_compile.py; fla is read from that directory, never vendored).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -43,6 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # fla_compile
 
 from pallas_kernels.gated_delta_rule import (  # noqa: E402
     chunk_gated_delta_rule,
@@ -177,6 +192,55 @@ def run_table(impls, baseline, lengths, dtype, repeats, max_temp_gb):
     return rows
 
 
+def lower_layer(T, dtype=jnp.bfloat16, precision="fast", grad=False):
+    """The public "pallas" entry point at LAYER (or its gradient), lowered for CUDA (works on a
+    CPU-only host)."""
+    B, Hk, Hv, K, V = (LAYER[n] for n in ("B", "Hk", "Hv", "K", "V"))
+    sds = jax.ShapeDtypeStruct
+    args = (sds((B, T, Hk, K), dtype), sds((B, T, Hk, K), dtype), sds((B, T, Hv, V), dtype),
+            sds((B, T, Hv), jnp.float32), sds((B, T, Hv), jnp.float32),
+            sds((B, Hv, K, V), jnp.float32))
+
+    def f(q, k, v, g, beta, s0):
+        return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, implementation="pallas",
+                                      use_qk_l2norm_in_kernel=True, precision=precision)
+
+    def loss(*a):
+        o, s = f(*a)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+
+    fn = jax.grad(loss, argnums=tuple(range(6))) if grad else f
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+def compile_table(archs, prefill_T=8192, fla_src=None):
+    """Print (and return) the offline compile table of our kernels, and fla's if fla_src."""
+    from pallas_kernels import triton_offline
+    from pallas_kernels.gated_delta_rule.common import compile_target
+
+    rows = []
+    for arch in archs:
+        with compile_target(arch):
+            kernels = [*triton_offline.triton_kernels(lower_layer(prefill_T)),
+                       *triton_offline.triton_kernels(lower_layer(1))]
+            kernels += [k for k in triton_offline.triton_kernels(lower_layer(prefill_T, grad=True))
+                        if k.name.startswith("gdr_bwd")]
+            rows += [triton_offline.compile_kernel(k, arch) for k in kernels]
+    print(f"Pallas kernels compiled offline (layer {LAYER}, bf16, T = {prefill_T}, decode T = 1, "
+          "backward = the gradient's state passes, precision 'fast'):")
+    print(triton_offline.format_table(rows))
+    result = {"ours": [dataclasses.asdict(r) for r in rows]}
+    if fla_src:
+        from fla_compile import fla_reports
+
+        fla_rows = [r for arch in archs for r in fla_reports(fla_src, arch, T=prefill_T, **LAYER)]
+        print(f"\nfla forward kernels from {fla_src}, compiled the same way:")
+        print(triton_offline.format_table(fla_rows))
+        result["fla"] = [dataclasses.asdict(r) for r in fla_rows]
+    sys.stdout.flush()
+    return result
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="T = 512, 2048 and 2 repeats")
@@ -185,6 +249,12 @@ def main(argv=None) -> int:
     p.add_argument("--max-temp-gb", type=float, default=6.0,
                    help="compile but do not run programs needing more XLA temp memory")
     p.add_argument("--json", type=Path, default=None, help="write all rows here")
+    p.add_argument("--compile-table", action="store_true",
+                   help="compile the Pallas kernels offline for --archs (needs `triton`)")
+    p.add_argument("--archs", type=str, default="90,89", help="compute capabilities, e.g. 90,89")
+    p.add_argument("--fla-src", type=Path, default=None,
+                   help="a flash-linear-attention checkout: add its kernels to the compile table")
+    p.add_argument("--skip-timing", action="store_true", help="only the compile table")
     a = p.parse_args(argv)
     preset = QUICK if a.quick else FULL
     lengths = tuple(int(x) for x in a.lengths.split(",")) if a.lengths else preset["lengths"]
@@ -193,10 +263,19 @@ def main(argv=None) -> int:
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}")
     print(f"layer {LAYER}, chunk: xla {XLA_CHUNK_SIZE}, pallas {PALLAS_CHUNK_SIZE}; "
           f"repeats {repeats}\n")
+    result = {}
+    if a.compile_table:
+        archs = [int(x) for x in a.archs.split(",")]
+        result["compile"] = compile_table(archs, max(lengths), a.fla_src)
+        print()
+    if a.skip_timing:
+        if a.json:
+            a.json.write_text(json.dumps(result, indent=1))
+        return 0
     print("CPU: token-by-token reference vs chunked XLA (float32 inputs)")
     with jax.default_device(jax.devices("cpu")[0]):
-        result = {"cpu": run_table(("reference", "xla", "xla-autodiff"), "reference", lengths,
-                                   jnp.float32, repeats, a.max_temp_gb)}
+        result["cpu"] = run_table(("reference", "xla", "xla-autodiff"), "reference", lengths,
+                                  jnp.float32, repeats, a.max_temp_gb)
 
     try:
         gpus = jax.devices("gpu")
@@ -209,7 +288,7 @@ def main(argv=None) -> int:
             result["gpu"] = run_table(("xla", "pallas"), "xla", lengths, jnp.bfloat16, repeats,
                                       a.max_temp_gb)
     else:
-        print("GPU: no GPU device found; skipping the Pallas timings.")
+        print("GPU: no GPU device found; skipping the Pallas timings (T = 2048 and 8192 need a GPU).")
     if a.json:
         a.json.write_text(json.dumps(result, indent=1))
     return 0

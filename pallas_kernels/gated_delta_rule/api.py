@@ -1,11 +1,13 @@
 """The one public entry point for the gated delta rule, with fla's argument conventions.
 
 `chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
-use_qk_l2norm_in_kernel=False, implementation=None) -> (o, final_state)`
+use_qk_l2norm_in_kernel=False, implementation=None, precision="fast", cu_seqlens=None)
+-> (o, final_state)`
 
 Shapes: q, k [B, T, Hk, K]; v [B, T, Hv, V] with Hv % Hk == 0 (value head h reads key head
 h // (Hv // Hk)); g, beta [B, T, Hv]; initial_state [B, Hv, K, V] or None (zeros).
-Returns o [B, T, Hv, V] in v's dtype and final_state [B, Hv, K, V] float32.
+Returns o [B, T, Hv, V] in v's dtype and final_state [B, Hv, K, V] float32. With cu_seqlens
+(int32 [N + 1], B = 1) the N packed sequences have states [N, Hv, K, V].
 
 Implementations (`IMPLEMENTATIONS`):
   "reference"  token-by-token scan (reference.py), differentiated by plain autodiff;
@@ -15,6 +17,12 @@ Implementations (`IMPLEMENTATIONS`):
   None         "pallas" on GPU (CUDA / ROCm), "xla" elsewhere.
 "xla", "pallas" and None differentiate through `backward.gated_delta_rule_with_vjp`: inputs
 are the only residuals and the backward recomputes the chunk states.
+
+`precision` ("fast", the default, or "exact") is the Pallas kernels' policy (`common.py`):
+"fast" runs the matmuls on tensor cores with operands and intermediates in the input dtype
+(TF32 for float32 inputs), "exact" in IEEE float32. "reference" and "xla" always compute in
+float32 and ignore it. With "pallas" (and None on a GPU) `use_qk_l2norm_in_kernel` is fused
+into the kernels, so normalised q and k never exist in memory.
 
 Platform choices (None's backend, and interpreter vs compiled kernel) follow the platform the
 computation is lowered for, via `jax.lax.platform_dependent`, not the machine doing the
@@ -33,6 +41,7 @@ import jax.numpy as jnp
 
 from .backward import gated_delta_rule_with_vjp
 from .chunk import chunk_gated_delta_rule_pallas
+from .common import L2NORM_EPS, PRECISIONS, l2norm  # noqa: F401  (L2NORM_EPS re-exported)
 from .recurrent import recurrent_gated_delta_rule_pallas
 from .reference import recurrent_gated_delta_rule_reference
 from .xla import CHUNK_SIZE as XLA_CHUNK_SIZE  # tuned in xla.py
@@ -48,12 +57,13 @@ IMPLEMENTATIONS = ("pallas", "reference", "xla")
 # Backends the Pallas kernels compile for (Triton); CPU runs them in the interpreter.
 _PALLAS_GPU_PLATFORMS = ("cuda", "rocm")
 
-# Matches transformers' / fla's l2norm: x * rsqrt(sum(x * x) + eps), in float32.
-L2NORM_EPS = 1e-6
+def _xla(q, k, v, g, beta, *, scale, initial_state, normalize=False, precision=None):
+    """XLA forward: a plain scan for short inputs (decode), the chunked form otherwise.
 
-
-def _xla(q, k, v, g, beta, *, scale, initial_state):
-    """XLA forward: a plain scan for short inputs (decode), the chunked form otherwise."""
+    Always float32 (precision is the Pallas kernels' setting)."""
+    del precision
+    if normalize:
+        q, k = l2norm(q), l2norm(k)
     if q.shape[1] <= RECURRENT_MAX_TOKENS:
         return recurrent_gated_delta_rule_reference(
             q, k, v, g, beta, scale=scale, initial_state=initial_state
@@ -63,22 +73,22 @@ def _xla(q, k, v, g, beta, *, scale, initial_state):
     )
 
 
-def _pallas(q, k, v, g, beta, *, scale, initial_state, interpret=None):
+def _pallas(q, k, v, g, beta, *, scale, initial_state, normalize=False, precision="fast",
+            interpret=None):
     """Pallas forward: the decode kernel for short inputs, the chunk kernels otherwise.
 
     interpret=None: the interpreter when lowered for CPU, the Triton kernels otherwise."""
-    fn = (
-        recurrent_gated_delta_rule_pallas
-        if q.shape[1] <= RECURRENT_MAX_TOKENS
-        else chunk_gated_delta_rule_pallas
-    )
-    return fn(q, k, v, g, beta, scale=scale, initial_state=initial_state, interpret=interpret)
+    kw = dict(scale=scale, initial_state=initial_state, normalize=normalize, interpret=interpret)
+    if q.shape[1] <= RECURRENT_MAX_TOKENS:  # exact in any policy: the reference's own order
+        return recurrent_gated_delta_rule_pallas(q, k, v, g, beta, **kw)
+    return chunk_gated_delta_rule_pallas(q, k, v, g, beta, precision=precision, **kw)
 
 
-def _auto(q, k, v, g, beta, *, scale, initial_state):
+def _auto(q, k, v, g, beta, *, scale, initial_state, normalize=False, precision="fast"):
     """implementation=None: compiled Pallas when lowered for a GPU, XLA otherwise."""
-    xla = functools.partial(_xla, scale=scale)
-    pallas = functools.partial(_pallas, scale=scale, interpret=False)
+    kw = dict(scale=scale, normalize=normalize, precision=precision)
+    xla = functools.partial(_xla, **kw)
+    pallas = functools.partial(_pallas, interpret=False, **kw)
 
     def call(fn):
         return lambda q, k, v, g, beta, s: fn(q, k, v, g, beta, initial_state=s)
@@ -103,18 +113,12 @@ def _check_pallas_can_run():
         )
 
 
-def l2norm(x, eps=L2NORM_EPS):
-    """L2-normalise over the last axis in float32: x * rsqrt(sum(x * x) + eps)."""
-    x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
-
-
 def _check_rank(name, x, rank):
     if x.ndim != rank:
         raise ValueError(f"{name} must have rank {rank}, got shape {tuple(x.shape)}")
 
 
-def _validate(q, k, v, g, beta, initial_state):
+def _validate(q, k, v, g, beta, initial_state, num_states):
     """Raise ValueError naming the offending argument if shapes do not fit together."""
     for name, x, rank in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("g", g, 3), ("beta", beta, 3)):
         _check_rank(name, x, rank)
@@ -131,11 +135,19 @@ def _validate(q, k, v, g, beta, initial_state):
     for name, x in (("g", g), ("beta", beta)):
         if x.shape != (B, T, Hv):
             raise ValueError(f"{name} shape {tuple(x.shape)} must be [B, T, Hv] = {(B, T, Hv)}")
-    if initial_state is not None and initial_state.shape != (B, Hv, K, V):
+    if initial_state is not None and initial_state.shape != (num_states, Hv, K, V):
         raise ValueError(
-            f"initial_state shape {tuple(initial_state.shape)} must be [B, Hv, K, V] = "
-            f"{(B, Hv, K, V)}"
+            f"initial_state shape {tuple(initial_state.shape)} must be "
+            f"[{'N' if num_states != B else 'B'}, Hv, K, V] = {(num_states, Hv, K, V)}"
         )
+
+
+def _varlen(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, normalize, precision):
+    """Packed sequences: the Pallas chunk kernels (interpreted on CPU), forward only."""
+    return chunk_gated_delta_rule_pallas(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, normalize=normalize,
+        precision=precision, cu_seqlens=cu_seqlens,
+    )
 
 
 def chunk_gated_delta_rule(
@@ -149,6 +161,8 @@ def chunk_gated_delta_rule(
     initial_state=None,
     use_qk_l2norm_in_kernel=False,
     implementation=None,
+    precision="fast",
+    cu_seqlens=None,
 ):
     """Gated delta rule over a sequence; see the module docstring for shapes.
 
@@ -157,20 +171,43 @@ def chunk_gated_delta_rule(
       use_qk_l2norm_in_kernel: L2-normalise q and k (float32, eps 1e-6) first.
       implementation: "reference", "xla", "pallas", or None ("pallas" on GPU, "xla" elsewhere,
         decided by the lowering platform).
+      precision: the Pallas kernels' policy, "fast" (tensor cores, input-dtype operands and
+        intermediates) or "exact" (IEEE float32); "reference" and "xla" are float32 always.
+      cu_seqlens: None, or int32 [N + 1] (fla's varlen): N sequences packed along T of a B = 1
+        batch, sequence i at rows cu_seqlens[i]:cu_seqlens[i + 1] with its own state
+        (initial_state and the final state [N, Hv, K, V]). Runs the Pallas chunk kernels for
+        implementation "pallas" or None (interpreted on CPU: slow); forward only (no VJP).
 
     Returns:
-      (o [B, T, Hv, V] in v's dtype, final_state [B, Hv, K, V] float32).
+      (o [B, T, Hv, V] in v's dtype, final_state [B (or N), Hv, K, V] float32).
     """
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"unknown implementation {implementation!r}; valid choices: {sorted(IMPLEMENTATIONS)}"
         )
-    if implementation == "pallas":
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; valid choices: {list(PRECISIONS)}")
+    if implementation == "pallas" or cu_seqlens is not None:
         _check_pallas_can_run()
-    _validate(q, k, v, g, beta, initial_state)
+    num_states = q.shape[0]
+    if cu_seqlens is not None:
+        if implementation not in (None, "pallas"):
+            raise ValueError(f"cu_seqlens needs implementation 'pallas' or None, got "
+                             f"{implementation!r}")
+        if q.shape[0] != 1 or cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
+            raise ValueError(f"cu_seqlens needs B = 1 and shape [N + 1], N >= 1; got B = "
+                             f"{q.shape[0]}, cu_seqlens {tuple(cu_seqlens.shape)}")
+        num_states = cu_seqlens.shape[0] - 1
+    _validate(q, k, v, g, beta, initial_state, num_states)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    if use_qk_l2norm_in_kernel:
+    if cu_seqlens is not None:
+        return _varlen(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                       cu_seqlens=cu_seqlens, normalize=use_qk_l2norm_in_kernel,
+                       precision=precision)
+    # The Pallas kernels (and None, which may pick them) normalise inside; the XLA paths first.
+    fused_norm = use_qk_l2norm_in_kernel and implementation in (None, "pallas")
+    if use_qk_l2norm_in_kernel and not fused_norm:
         q, k = l2norm(q), l2norm(k)
     if implementation == "reference":
         return recurrent_gated_delta_rule_reference(
@@ -183,8 +220,13 @@ def chunk_gated_delta_rule(
     if T == 0:
         return jnp.zeros((B, 0, Hv, V), v.dtype), initial_state.astype(jnp.float32)
     forward = _FORWARDS[implementation]
-    return gated_delta_rule_with_vjp(forward, q, k, v, g, beta, initial_state, scale=scale)
+    return gated_delta_rule_with_vjp(forward, q, k, v, g, beta, initial_state, scale=scale,
+                                     normalize=fused_norm, precision=precision)
 
 
 # Module-level objects, so the custom_vjp's static `forward` is the same object on every call.
 _FORWARDS = {None: _auto, "xla": _xla, "pallas": _pallas}
+# Where the backward's sequential state passes run (backward.gated_delta_rule_backward).
+_xla.backward_kernels = "xla"
+_pallas.backward_kernels = "pallas"
+_auto.backward_kernels = "auto"
