@@ -35,8 +35,25 @@ class KVState:
 
 
 @struct.dataclass
+class PagedKV:
+    """Attention KV in the engine's page pool (see hybridjax.pages): pages shared by many rows.
+
+    `table` names each row's pages in order; it is set per call (a row's key s is at
+    page table[b, s // S], offset s % S) and is None in the pool the engine keeps.
+    """
+
+    k: Array  # [P, S, Hkv, Dh]
+    v: Array  # [P, S, Hkv, Dh]
+    table: Array | None = None  # [B, Np] int32; ids >= P mark pages a row does not have
+
+    @property
+    def page_size(self) -> int:
+        return int(self.k.shape[1])
+
+
+@struct.dataclass
 class Cache:
-    layers: tuple  # tuple[GDNState | KVState, ...], aligned with the model's layers
+    layers: tuple  # tuple[GDNState | KVState | PagedKV, ...], aligned with the model's layers
     lengths: Array  # [B] int32: tokens seen by each row
     max_len: int = struct.field(pytree_node=False, default=0)  # hard limit on tokens per row
 
@@ -51,7 +68,7 @@ class Cache:
         return int(kv[0].k.shape[1]) if kv else self.max_len
 
 
-LayerState = Union[GDNState, KVState]
+LayerState = Union[GDNState, KVState, PagedKV]
 
 
 def bucket(n: int, max_len: int) -> int:

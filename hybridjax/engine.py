@@ -1,17 +1,24 @@
-"""The engine: continuous batching over a fixed number of decode slots, with exact-prefix
-snapshot reuse at admission.
+"""The engine: continuous batching over a fixed number of slots, KV in a shared page pool,
+prompts prefilled in chunks between decode steps, and exact-prefix snapshot reuse.
 
-One background thread owns all device state: a batched cache of `slots` rows, the next-token
-logits of every row, and the per-row sampler. Each loop iteration
-  1. admits waiting requests into free slots: one pass over the snapshot store finds every
-     request's longest cached prefix; only the rest of each prompt is prefilled (from the
-     snapshot, without donation: the snapshot stays intact and may be shared by several
-     requests), cut at checkpoint positions where snapshots are taken; an exact hit uses the
-     stored logits and makes no model call;
-  2. runs one jitted, donating step for all slots (draw a token per active row, feed it back);
-  3. hands tokens to their requests, finishes rows that stopped (their end-of-response
-     snapshot is a copy of the row, so the batched cache stays donatable) and frees slots of
-     cancelled requests.
+One background thread owns the device state (`hybridjax.engine_steps.EngineState`: every
+slot's recurrent state, sampler and logits, and the KV page pool) and the host bookkeeping
+(page tables, reference counts, slots). Each loop iteration
+  1. admits waiting requests into free slots: one pass over the snapshot store finds each
+     one's longest cached prefix; the slot gets the snapshot's full KV pages by id, a copy of
+     its partial last page, its recurrent state and logits, and fresh pages for the rest of
+     the prompt and the response; an exact hit draws its first token at once, no model call;
+  2. runs one prefill call of at most `prefill_chunk` tokens, shared by the prompts being
+     prefilled (several rows when their chunks fit together); a chunk ends at a snapshot
+     point (checkpoint, end of the chat history, a prefix shared with another request, the end
+     of the prompt) where the row's snapshot is taken: full pages shared, the partial page
+     copied; a prompt's last chunk draws its first token, which is sent at once;
+  3. dispatches one decode step for the rows that are decoding (a batch bucket of them: idle
+     slots cost nothing), then, while it runs, delivers the previous step's tokens: text,
+     stop strings, finishes. A finished row leaves its response snapshot (its pages, by id)
+     and frees its slot.
+So a running stream waits at most one prefill chunk for a long prompt, and the host's work
+overlaps the device's. Every shape the loop runs is compiled by `warmup` before serving.
 Requests are independent rows: greedy output does not depend on the batch or on cache hits.
 """
 
@@ -23,24 +30,26 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections import Counter, deque
 from typing import AsyncIterator, Iterator, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from hybridjax.cache import Cache, bucket, init_cache, with_capacity
+from hybridjax import engine_steps as steps
 from hybridjax.config import Config
-from hybridjax.generate import (
-    init_sampler, pad_prompts, prefill, read_row, sample_and_decode_donating, write_row_donating,
-)
+from hybridjax.generate import length_bucket
+from hybridjax.pages import DEFAULT_PAGE_SIZE, PagePool, PoolExhausted, page_bytes, pages_for
 from hybridjax.params import Params
 from hybridjax.prefix_cache import SnapshotStore, checkpoint_positions
 from hybridjax.sampling import sampling_params
 from hybridjax.tokenizer import StreamDecoder, Tokenizer
 
 log = logging.getLogger(__name__)
+
+_WARMUP_LOCK = threading.Lock()
+SHARE_MIN_TOKENS = 16  # a request waits for another's shared-prefix snapshot only past this many tokens
 
 
 class QueueFull(Exception):
@@ -63,6 +72,7 @@ class GenerationRequest:
     stop_strings: tuple[str, ...] = ()
     namespace: str = ""
     history_len: int | None = None  # end of the stable chat history, a snapshot point
+    logprobs: int | None = None  # report each token's log-probability and this many alternatives (0..20)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +80,8 @@ class Event:
     token_id: int | None
     text: str
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    logprob: float | None = None  # with request.logprobs: the token's log-probability
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # and the most likely (token, logprob), best first
 
 
 class RequestHandle:
@@ -83,6 +95,7 @@ class RequestHandle:
         self.prompt_tokens = len(request.prompt_ids)
         self.cached_tokens = 0
         self.token_ids: list[int] = []
+        self.logprobs: list[tuple] = []  # with request.logprobs: (logprob, top alternatives) per token
         self.text = ""
         self.finish_reason: str | None = None
         self.cancelled = threading.Event()
@@ -116,11 +129,60 @@ class RequestHandle:
                 return
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Slot:
     handle: RequestHandle
+    row: int
     decoder: StreamDecoder | None
+    pages: list[int]  # this row's KV pages, in order
+    pos: int  # tokens in the row's cache (the prefill's progress)
+    cuts: list[int]  # snapshot points of the prompt still ahead (the prompt's end last)
+    seq: int  # admission order
+    drawn: list[int] = dataclasses.field(default_factory=list)  # every token drawn (sent or not)
     held_text: str = ""  # decoded text not yet sent (it may be the start of a stop string)
+    last_step: int = -1  # the last decode step this row was dispatched in
+    finished: bool = False
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.handle.request.prompt_ids
+
+    @property
+    def prefilling(self) -> bool:
+        return self.pos < len(self.prompt)
+
+
+@dataclasses.dataclass
+class _Step:
+    """A dispatched decode step whose outputs the host has not read yet."""
+
+    index: int
+    slots: list  # _Slot per row of the call (None for padding)
+    outputs: tuple  # device arrays: tokens, done, lengths [R]
+
+
+def _draw_of(drawn: "steps.Drawn", i: int, slot: _Slot) -> tuple[int, tuple]:
+    """(token, (logprob, top alternatives) or ()) of row i of a step's draws, read from the device
+    (the log-probabilities only when the request asked for them)."""
+    token = int(np.asarray(drawn.tokens)[i])
+    k = slot.handle.request.logprobs
+    if k is None:
+        return token, ()
+    top = zip(np.asarray(drawn.top_ids)[i, :k].tolist(), np.asarray(drawn.top_logprobs)[i, :k].tolist())
+    return token, (float(np.asarray(drawn.logprob)[i]), tuple(top))
+
+
+def _buckets(n: int, cap: int | None = None) -> list[int]:
+    """Batch buckets up to n rows: powers of two below n, then n (at most `cap`)."""
+    top = min(n, cap or n)
+    out = [1]
+    while out[-1] * 2 < top:
+        out.append(out[-1] * 2)
+    return sorted(set(out + [top]))
+
+
+def _bucket(n: int, buckets: Sequence[int]) -> int:
+    return next(b for b in buckets if b >= n)
 
 
 def _shared_prefix(others: Sequence[GenerationRequest], req: GenerationRequest) -> int:
@@ -146,22 +208,44 @@ def _safe_split(text: str, stops: Sequence[str]) -> tuple[str, str]:
 class Engine:
     def __init__(self, cfg: Config, params: Params, tokenizer: Tokenizer | None, *, slots: int = 4,
                  max_len: int = 4096, store: SnapshotStore | None = None, checkpoint_interval: int = 0,
-                 max_queue: int = 64):
+                 max_queue: int = 64, page_size: int = DEFAULT_PAGE_SIZE, num_pages: int | None = None,
+                 prefill_chunk: int = 256, prefill_rows: int = 4):
         if slots < 1 or max_len < 2:
             raise ValueError("engine: slots must be >= 1 and max_len >= 2")
+        if prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
+            raise ValueError(f"engine: prefill_chunk must be a power of two >= 16, got {prefill_chunk}")
         self.cfg, self.params, self.tokenizer = cfg, params, tokenizer
-        self.slots, self.max_len = slots, max_len
+        self.slots, self.max_len, self.prefill_chunk = slots, max_len, prefill_chunk
         self.store, self.checkpoint_interval, self.max_queue = store, checkpoint_interval, max_queue
+        self.pages_per_row = pages_for(max_len, page_size)
+        self.pool = PagePool(num_pages or 2 * slots * self.pages_per_row, page_size)
+        self.dtype = params.embed.dtype
+        self.implementation = steps.host_implementation()
+        self.decode_buckets = _buckets(slots)
+        self.prefill_buckets = [r for r in _buckets(slots, prefill_rows) if prefill_chunk // r >= 16]
+        if store is not None:
+            store.use_pages(self.pool, self.page_bytes)
         self.counters: Counter = Counter()
         self._waiting: deque[RequestHandle] = deque()
+        self._background: deque[RequestHandle] = deque()  # prefill-only work for idle time
         self._wake = threading.Condition()
         self._rows: list[_Slot | None] = [None] * slots
+        self._seq = itertools.count()
+        self._steps = itertools.count()
+        self._inflight: _Step | None = None
         self._thread: threading.Thread | None = None
         self._running = False
-        # Device state, owned by the engine thread.
-        self._cache = init_cache(cfg, slots, max_len)
-        self._logits = jnp.zeros((slots, cfg.vocab_size), jnp.float32)
-        self._sampler = init_sampler(sampling_params(slots), [0] * slots, cfg.vocab_size)
+        self.ready = threading.Event()  # set once the worker serves (after any warm-up)
+        self._reset_device()
+
+    def _reset_device(self) -> None:
+        self._state = steps.init_state(self.cfg, self.slots, self.pool.num_pages, self.pool.page_size, self.dtype)
+        self._table = np.full((self.slots, self.pages_per_row), self.pool.num_pages, np.int32)  # P: no page
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page over every attention layer (k and v)."""
+        return page_bytes(self.cfg, self.pool.page_size, self.dtype)
 
     # --- public API (any thread) ----------------------------------------------------
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
@@ -170,6 +254,9 @@ class Engine:
             raise ValueError("the prompt is empty")
         if n + max(request.max_tokens, 1) > self.max_len:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({request.max_tokens}) exceeds the context length {self.max_len}")
+        if pages_for(n + request.max_tokens, self.pool.page_size) > self.pool.num_pages:
+            raise ValueError(f"prompt + max_tokens ({n + request.max_tokens} tokens) exceeds the KV pool "
+                             f"({self.pool.num_pages} pages of {self.pool.page_size} tokens)")
         handle = RequestHandle(request, loop)
         with self._wake:
             if len(self._waiting) >= self.max_queue:
@@ -180,10 +267,27 @@ class Engine:
             self._wake.notify()
         return handle
 
-    def start(self) -> "Engine":
+    def prefill_in_background(self, prompt_ids: Sequence[int], namespace: str = "") -> RequestHandle | None:
+        """Have a snapshot of `prompt_ids` ready for a later request (e.g. the next chat turn as
+        its template will render it): prefilled, from the longest snapshot, in idle time only (no
+        request waits), ending in a snapshot and no token. None when there is no store."""
+        if self.store is None or not prompt_ids or len(prompt_ids) > self.max_len:
+            return None
+        handle = RequestHandle(GenerationRequest(list(prompt_ids), max_tokens=0, namespace=namespace))
+        with self._wake:
+            if len(self._background) >= self.max_queue:
+                self._background.popleft()  # the oldest wish goes; nobody waits for it
+            self._background.append(handle)
+            self._wake.notify()
+        return handle
+
+    def start(self, warmup: bool = False, progress: bool = False) -> "Engine":
+        """Start the worker thread; with `warmup` it first compiles every shape (`ready` is set
+        when it serves; requests submitted meanwhile wait in the queue)."""
         if self._thread is None:
             self._running = True
-            self._thread = threading.Thread(target=self._loop, name="hybridjax-engine", daemon=True)
+            self._thread = threading.Thread(target=self._loop, args=(warmup, progress), name="hybridjax-engine",
+                                            daemon=True)
             self._thread.start()
         return self
 
@@ -194,6 +298,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self.ready.clear()
 
     @property
     def queue_depth(self) -> int:
@@ -210,138 +315,361 @@ class Engine:
             pass
         return handle
 
+    def shapes(self) -> list[tuple]:
+        """Every program the loop runs, as (step name, rows, tokens): what `warmup` compiles."""
+        out = [("decode", r, 1) for r in self.decode_buckets] + [("sample_first", r, 0) for r in self.decode_buckets]
+        t = 16
+        while t <= self.prefill_chunk:
+            out += [("prefill", r, t) for r in self.prefill_buckets if r * t <= self.prefill_chunk]
+            t *= 2
+        return out + [("setup_row", 1, 0), ("setup_row_snapshot", 1, 0), ("read_row", 1, 0), ("copy_page", 1, 0)]
+
+    def warmup(self, progress: bool = False) -> float:
+        """Compile every shape the loop can run (on padding rows: nothing changes), so that no
+        request waits for XLA. Call before `start`. Returns the seconds it took. One engine of a
+        process warms up at a time: engines of one model share the programs, and two threads
+        writing the same entry of JAX's persistent compilation cache at once crashed (JAX 0.10.2)."""
+        with _WARMUP_LOCK:
+            return self._warmup(progress)
+
+    def _warmup(self, progress: bool) -> float:
+        from tqdm import tqdm
+
+        t0 = time.perf_counter()
+        pad = lambda r: np.full((r,), self.slots, np.int32)  # noqa: E731  (out-of-range rows: no-ops)
+        table = lambda r: np.full((r, self.pages_per_row), self.pool.num_pages, np.int32)  # noqa: E731
+        shapes = self.shapes()
+        for name, r, t in tqdm(shapes, desc="compiling", unit="program", disable=not progress):
+            s = self._state
+            if name == "decode":
+                out, s = steps.decode(self.params, s, pad(r), table(r), self.cfg, self.implementation)
+            elif name == "sample_first":
+                out, _, s = steps.sample_first(s, pad(r))
+            elif name == "prefill":
+                out, _, s = steps.prefill_chunk(self.params, s, pad(r), np.zeros((r, t), np.int32), np.zeros((r,), np.int32),
+                                                table(r), np.zeros((r,), bool), self.cfg, self.implementation)
+            elif name.startswith("setup_row"):
+                gdn, logits = steps.read_row(s, 0) if name.endswith("snapshot") else (None, None)
+                s = self._setup(s, self.slots, gdn, logits, 0, GenerationRequest([0], 1))
+                out = s.lengths
+            elif name == "read_row":
+                out = steps.read_row(s, 0)
+            else:
+                out = s = steps.copy_page(s, self.pool.num_pages, self.pool.num_pages)
+            self._state = s
+            jax.block_until_ready(out)
+        seconds = time.perf_counter() - t0
+        log.info("compiled %d programs in %.1f s", len(shapes), seconds)
+        return seconds
+
+    def save_snapshots(self, directory) -> int:
+        """Persist the snapshot store (its pages read from the pool). Call with the loop stopped."""
+        def read(ids):
+            ks, vs = steps.read_pages(self._state, np.asarray(ids, np.int32))
+            return [np.asarray(k) for k in ks], [np.asarray(v) for v in vs]
+
+        return self.store.save(directory, read_pages=read) if self.store is not None else 0
+
+    def load_snapshots(self, directory) -> int:
+        """Load persisted snapshots, their pages into the pool. Call before `start`."""
+        def write(ks, vs):
+            ids = self.pool.alloc(len(ks[0]) if ks else 0)
+            self._state = steps.write_pages(self._state, np.asarray(ids, np.int32), tuple(ks), tuple(vs))
+            return ids
+
+        return self.store.load(directory, write_pages=write) if self.store is not None else 0
+
     # --- the loop (engine thread) ----------------------------------------------------
-    def _loop(self) -> None:
+    def _loop(self, warmup: bool = False, progress: bool = False) -> None:
+        if warmup:
+            self.warmup(progress)
+        self.ready.set()
+        ttl = self.store.ttl_s if self.store is not None else None
+        tick = min(5.0, max(ttl / 2, 0.05)) if ttl else None  # TTL runs on a timer too, not only on lookups
         while True:
             with self._wake:
-                while self._running and not self._waiting and self.active_slots == 0:
-                    self._wake.wait()
+                while (self._running and not self._waiting and not self._background and self.active_slots == 0
+                       and self._inflight is None):
+                    if not self._wake.wait(timeout=tick) and tick:
+                        self.store.expire()
                 if not self._running:
                     break
             try:
                 self._admit()
-                if self.active_slots:
-                    self._step()
+                self._prefill()
+                step = self._dispatch()
+                if self._inflight is not None:
+                    self._process(self._inflight)
+                self._inflight = step
             except Exception as e:  # a failed step must not kill the worker: fail its requests
                 log.exception("engine step failed")
                 self._fail_all(e)
-        for row, slot in enumerate(self._rows):
+        if self._inflight is not None:
+            self._process(self._inflight)
+            self._inflight = None
+        for slot in self._rows:
             if slot is not None:
-                self._finish(row, "cancelled", snapshot=False)
+                self._close(slot, "cancelled")
+                self._free(slot)
 
     def _fail_all(self, error: Exception) -> None:
+        """Fail every running request and start over with a fresh device state: a failed step may
+        have consumed (donated) the pool, so the snapshots that name its pages go too."""
         self.counters["errors"] += 1
-        for row, slot in enumerate(self._rows):
+        for slot in self._rows:
             if slot is not None:
                 slot.handle.finish_reason = "error"  # the server reads it (500, not a 200 with no reason)
                 slot.handle._emit(Event(None, "", "error"))
-                self._rows[row] = None
-        self._cache = init_cache(self.cfg, self.slots, self.max_len)
-        # The step donates logits and sampler too: if it failed after donating, they are deleted
-        # buffers and every later step would fail. Rebuild them so the worker keeps serving.
-        self._logits = jnp.zeros((self.slots, self.cfg.vocab_size), jnp.float32)
-        self._sampler = init_sampler(sampling_params(self.slots), [0] * self.slots, self.cfg.vocab_size)
+        self._rows = [None] * self.slots
+        self._inflight = None
+        if self.store is not None:
+            self.store.clear()
+        self.pool.reset()
+        self._reset_device()
 
+    # --- admission ------------------------------------------------------------------------
     def _admit(self) -> None:
         free = [i for i, r in enumerate(self._rows) if r is None]
         with self._wake:
             batch = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
+            if not self._waiting and len(batch) < len(free) and self._background and not self._prefilling():
+                batch.append(self._background.popleft())  # idle time: one background prefill
         batch = [h for h in batch if not self._drop_if_cancelled(h)]
         if not batch:
             return
         reqs = [h.request for h in batch]
         hits = (self.store.lookup_many([r.prompt_ids for r in reqs], [r.namespace for r in reqs])
                 if self.store is not None else [None] * len(batch))
-        for k, (handle, hit, row) in enumerate(zip(batch, hits, free)):
+        deferred, blocked = [], False
+        for handle, hit in zip(batch, hits):
+            # Waiting for pages keeps the queue's order; waiting for a shared prefix's snapshot
+            # (which another row is about to take) holds back only this request.
+            if blocked or self._wait_for_shared_prefix(handle.request, hit):
+                deferred.append(handle)
+                continue
             try:
-                if self.store is not None and _shared_prefix(reqs[:k], reqs[k]) > hit.reused:
-                    # An earlier request of this batch has just stored a longer shared prefix.
-                    hit = self.store.lookup(reqs[k].prompt_ids, reqs[k].namespace)
-                # Requests admitted together that share a prefix: the first one snapshots it.
-                shared = _shared_prefix(reqs[k + 1 :], reqs[k]) if self.store is not None else 0
-                self._start(handle, hit, row, shared)
+                if not self._start(handle, hit, free[0]):
+                    deferred.append(handle)
+                    blocked = True
+                else:
+                    free.pop(0)
             except Exception:
                 log.exception("admission failed")
                 self.counters["errors"] += 1
                 handle.finish_reason = "error"  # as in _fail_all: the handle must say how it ended
                 handle._emit(Event(None, "", "error"))
+        with self._wake:
+            self._waiting.extendleft(reversed(deferred))
 
     def _drop_if_cancelled(self, handle: RequestHandle) -> bool:
         if handle.cancelled.is_set():
             handle.finish_reason = "cancelled"
+            self.counters["finished_cancelled"] += 1
             handle._emit(Event(None, "", "cancelled"))
             return True
         return False
 
-    def _prefill_with_snapshots(self, req: GenerationRequest, hit, shared: int = 0) -> tuple[jax.Array, Cache]:
-        """(logits [vocab], batch-of-one cache) after the prompt, reusing `hit`, taking
-        snapshots at checkpoint positions, the end of the history and the end of the prompt."""
-        prompt = req.prompt_ids
-        if hit is not None and hit.snapshot is not None:
-            if hit.exact:
-                return hit.snapshot.logits, hit.snapshot.cache
-            start, cache = hit.reused, hit.snapshot.cache
-        else:
-            start, cache = 0, init_cache(self.cfg, 1, self.max_len)
-        extra = [p for p in (req.history_len, shared) if p]
-        logits = None
-        for cut in checkpoint_positions(start, len(prompt), self.checkpoint_interval, extra):
-            tokens, counts = pad_prompts([prompt[start:cut]])
-            logits, cache = prefill(self.params, tokens, cache, self.cfg, counts)
-            logits = logits[0]
-            self.counters["tokens_prefilled"] += cut - start
-            if self.store is not None:
-                self.store.counters["tokens_prefilled"] += cut - start
-                kind = "prompt" if cut == len(prompt) else ("history" if cut == req.history_len else "checkpoint")
-                self.store.insert(prompt[:cut], cache, logits, namespace=req.namespace, kind=kind)
-            start = cut
-        return logits, cache
+    def _wait_for_shared_prefix(self, req: GenerationRequest, hit) -> bool:
+        """True if a prompt being prefilled shares more of `req`'s prefix than the store has: it is
+        given a snapshot point there, and `req` waits for that snapshot instead of recomputing it."""
+        if self.store is None:
+            return False
+        best = None
+        for slot in self._rows:
+            if slot is not None and slot.prefilling:
+                n = _shared_prefix([slot.handle.request], req)
+                if n >= SHARE_MIN_TOKENS and n > hit.reused and slot.pos < n and (best is None or n > best[0]):
+                    best = (n, slot)
+        if best is None:
+            return False
+        n, slot = best
+        if n not in slot.cuts:
+            slot.cuts = sorted(slot.cuts + [n])
+        return True
 
-    def _start(self, handle: RequestHandle, hit, row: int, shared: int = 0) -> None:
-        req = handle.request
-        handle.cached_tokens = hit.reused if hit is not None else 0
-        logits, row_cache = self._prefill_with_snapshots(req, hit, shared)
-        if row_cache.capacity > self._cache.capacity:
-            self._cache = with_capacity(self._cache, row_cache.capacity)
-        self._cache, self._logits = write_row_donating(
-            (self._cache, self._logits), (row_cache, logits[None]), jnp.int32(row))
+    def _start(self, handle: RequestHandle, hit, row: int) -> bool:
+        """Set up `row` for a request; False (nothing changed) when the pool cannot hold it yet."""
+        req, size = handle.request, self.pool.page_size
+        snap = hit.snapshot if hit is not None else None
+        start = hit.reused if snap is not None else 0
+        shared = list(snap.pages[: start // size]) if snap is not None else []
+        fresh = self._alloc(pages_for(len(req.prompt_ids) + req.max_tokens, size) - len(shared), keep=snap)
+        if fresh is None:
+            return False
+        self.pool.retain(shared)
+        if start % size:  # the snapshot's partial last page: copied, since this row writes past it
+            self._state = steps.copy_page(self._state, snap.pages[start // size], fresh[0])
+        pages = shared + fresh
+        self._table[row] = self.pool.num_pages
+        self._table[row, : len(pages)] = pages
+        self._state = self._setup(self._state, row, snap.cache if snap else None, snap.logits if snap else None, start, req)
+        handle.cached_tokens = start
+        extra = [p for p in (req.history_len,) if p]
+        with self._wake:
+            waiting = [h.request for h in self._waiting]
+        extra += [n for n in (_shared_prefix(waiting, req),) if n >= SHARE_MIN_TOKENS]
+        slot = _Slot(handle, row, StreamDecoder(self.tokenizer, skip_special_tokens=False) if self.tokenizer else None,
+                     pages, start, checkpoint_positions(start, len(req.prompt_ids), self.checkpoint_interval, extra),
+                     next(self._seq))
+        # Special tokens stay in the text (stop tokens never reach it), so a client re-sending
+        # the response re-encodes it to the same ids and hits the response snapshot.
+        self._rows[row] = slot
+        handle.admitted.set()
+        if req.max_tokens == 0 and not slot.prefilling:  # background work whose snapshot exists already
+            self._end_background(slot)
+        elif not slot.prefilling:  # an exact hit: the stored logits give the first token, no model call
+            drawn, _, self._state = steps.sample_first(self._state, self._rows_array([row], self.decode_buckets))
+            self._deliver(slot, *_draw_of(drawn, 0, slot), start, moving=False)
+        return True
+
+    def _setup(self, state, row, gdn, logits, length, req: GenerationRequest):
         sp = sampling_params(1, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                              repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
                              frequency_penalty=req.frequency_penalty)
-        tokens, counts = pad_prompts([req.prompt_ids])
-        row_sampler = init_sampler(sp, [req.seed], self.cfg.vocab_size, tokens, counts)
-        self._sampler = write_row_donating(self._sampler, row_sampler, jnp.int32(row))
-        # Special tokens stay in the text (stop tokens never reach it), so a client re-sending
-        # the response re-encodes it to the same ids and hits the response snapshot.
-        decoder = StreamDecoder(self.tokenizer, skip_special_tokens=False) if self.tokenizer else None
-        self._rows[row] = _Slot(handle, decoder)
-        handle.admitted.set()
+        seen = np.zeros((self.cfg.vocab_size,), bool)
+        seen[np.asarray(req.prompt_ids)] = True
+        stops = np.full((steps.MAX_STOPS,), -1, np.int32)
+        ids = list(dict.fromkeys(req.stop_ids))[: steps.MAX_STOPS]
+        stops[: len(ids)] = ids
+        return steps.setup_row(state, np.int32(row), gdn, logits, np.int32(length), sp, np.uint32(req.seed % 2**32),
+                               seen, np.int32(req.max_tokens), stops, np.bool_(req.logprobs is not None))
 
-    def _step(self) -> None:
-        active = np.array([r is not None for r in self._rows])
-        needed = int(np.max(np.asarray(self._cache.lengths)[active], initial=0)) + 1
-        if needed > self._cache.capacity:
-            self._cache = with_capacity(self._cache, bucket(needed, self.max_len))
-        tok, self._logits, self._cache, self._sampler = sample_and_decode_donating(
-            self.params, self._logits, self._cache, self._sampler, jnp.asarray(active), self.cfg)
-        tok = np.asarray(tok)
-        lengths = np.asarray(self._cache.lengths)
+    def _alloc(self, n: int, keep=None) -> list[int] | None:
+        """n fresh pages, evicting least-recently-used snapshots (never `keep`) if the pool is short."""
+        if n > self.pool.free and self.store is not None:
+            held = keep.pages if keep is not None else ()
+            self.pool.retain(held)  # the snapshot being restored must survive the eviction
+            try:
+                self.store.evict_until(lambda: self.pool.free >= n)
+            finally:
+                self.pool.release(held)
+        try:
+            return self.pool.alloc(n)
+        except PoolExhausted:
+            return None
+
+    # --- prefill --------------------------------------------------------------------------
+    def _prefill(self) -> None:
+        """One prefill call: a chunk of each prompt being prefilled, as many rows as fit the budget."""
+        live = []
         for row, slot in enumerate(self._rows):
-            if slot is None:
+            if slot is not None and slot.prefilling:
+                if slot.handle.cancelled.is_set():
+                    self._close(slot, "cancelled")
+                    self._free(slot)
+                else:
+                    live.append((slot.handle.request.max_tokens == 0, slot.seq, row, slot))
+        if not live:
+            return
+        live.sort(key=lambda x: x[:2])  # oldest first, background work last
+        n = max(r for r in self.prefill_buckets if r <= len(live))  # rows this call: a whole bucket
+        cap = self.prefill_chunk // n  # tokens per row: a long prompt shares the budget with short ones
+        chosen = [(row, slot, min(slot.cuts[0], slot.pos + cap) - slot.pos) for _, _, row, slot in live[:n]]
+        width = length_bucket(max(c for _, _, c in chosen))
+        tokens = np.zeros((n, width), np.int32)
+        counts = np.zeros((n,), np.int32)
+        last = np.zeros((n,), bool)
+        for i, (row, slot, c) in enumerate(chosen):
+            tokens[i, :c] = slot.prompt[slot.pos : slot.pos + c]
+            counts[i], last[i] = c, slot.pos + c == len(slot.prompt) and slot.handle.request.max_tokens > 0
+        rows = self._rows_array([row for row, _, _ in chosen], self.prefill_buckets)
+        drawn, _, self._state = steps.prefill_chunk(self.params, self._state, rows, tokens, counts,
+                                                     self._table_rows(rows), last, self.cfg, self.implementation)
+        self.counters["prefill_chunks"] += 1
+        self.counters["tokens_prefilled"] += int(counts.sum())
+        for i, (row, slot, c) in enumerate(chosen):
+            slot.pos += c
+            if self.store is not None:
+                self.store.counters["tokens_prefilled"] += c
+            if slot.pos == slot.cuts[0]:
+                slot.cuts.pop(0)
+                self._snapshot(slot, row, self._snapshot_kind(slot))
+            if not slot.prefilling and slot.handle.request.max_tokens == 0:
+                self._end_background(slot)
+            elif last[i]:
+                self._deliver(slot, *_draw_of(drawn, i, slot), slot.pos, moving=False)
+
+    def _end_background(self, slot: _Slot) -> None:
+        self._close(slot, "stop")
+        self._free(slot)
+
+    def _prefilling(self) -> bool:
+        return any(s is not None and s.prefilling for s in self._rows)
+
+    def _snapshot_kind(self, slot: _Slot) -> str:
+        if slot.pos == len(slot.prompt) and slot.handle.request.max_tokens == 0:
+            return "history"  # a background prefill: kept like a chat history, never superseded
+        if slot.pos == len(slot.prompt):
+            return "prompt"
+        return "history" if slot.pos == slot.handle.request.history_len else "checkpoint"
+
+    def _snapshot(self, slot: _Slot, row: int, kind: str, length: int | None = None, copy_partial: bool = True) -> None:
+        """Store the row's state after its first `length` tokens: full pages by id; a partial
+        last page copied (the row still writes into it) unless the row is done writing."""
+        if self.store is None:
+            return
+        length = slot.pos if length is None else length
+        size = self.pool.page_size
+        pages = slot.pages[: length // size]
+        if length % size:
+            if copy_partial:
+                copy = self._alloc(1)
+                if copy is None:
+                    self.counters["snapshots_skipped_no_pages"] += 1
+                    return
+                self._state = steps.copy_page(self._state, slot.pages[length // size], copy[0])
+                pages = pages + copy
+            else:
+                copy = []
+                pages = slot.pages[: pages_for(length, size)]
+        gdn, logits = steps.read_row(self._state, row)
+        tokens = (list(slot.prompt) + slot.drawn)[:length]
+        self.store.insert(tokens, gdn, logits, namespace=slot.handle.request.namespace, kind=kind, pages=pages)
+        if length % size and copy_partial:
+            self.pool.release(copy)  # the store holds it now (or nobody, if it kept an equal older entry)
+
+    # --- decode ---------------------------------------------------------------------------
+    def _dispatch(self) -> _Step | None:
+        """Dispatch one decode step for the decoding rows (asynchronous: returns at once)."""
+        rows = [r for r, slot in enumerate(self._rows) if slot is not None and not slot.prefilling]
+        if not rows:
+            return None
+        index = next(self._steps)
+        arr = self._rows_array(rows, self.decode_buckets)
+        outputs, self._state = steps.decode(self.params, self._state, arr, self._table_rows(arr), self.cfg,
+                                            self.implementation)
+        slots = [self._rows[r] if r < self.slots else None for r in arr]
+        for s in slots:
+            if s is not None:
+                s.last_step = index
+        self.counters["steps"] += 1
+        return _Step(index, slots, outputs)
+
+    def _process(self, step: _Step) -> None:
+        """Deliver a finished step's tokens (the next step may already be running)."""
+        drawn, lengths = step.outputs[0], np.asarray(step.outputs[2])
+        for i, slot in enumerate(step.slots):
+            if slot is None or slot.finished:
                 continue
             if slot.handle.cancelled.is_set():
-                self._finish(row, "cancelled", snapshot=False)
+                self._close(slot, "cancelled")
+                self._free(slot)
                 continue
-            self._deliver(row, slot, int(tok[row]), int(lengths[row]))
-        self.counters["steps"] += 1
+            self._deliver(slot, *_draw_of(drawn, i, slot), int(lengths[i]), moving=slot.last_step > step.index)
 
-    def _deliver(self, row: int, slot: _Slot, token: int, length: int) -> None:
+    # --- delivery and the end of a request -------------------------------------------------
+    def _deliver(self, slot: _Slot, token: int, logprobs: tuple, length: int, moving: bool) -> None:
+        """Send one drawn token. `length`: the row's cache length when it was drawn; `moving`: a
+        step already dispatched feeds it (the next step feeds a finished row's last token too)."""
         h, req = slot.handle, slot.handle.request
+        slot.drawn.append(token)
         h.token_ids.append(token)
+        if logprobs:
+            h.logprobs.append(logprobs)
         self.counters["tokens_generated"] += 1
         stopped = token in req.stop_ids  # a stop token ends the response and is not part of its text
         text = slot.held_text + (slot.decoder.push(token) if slot.decoder and not stopped else "")
-        done = stopped or len(h.token_ids) >= req.max_tokens or length >= self.max_len
+        done = stopped or len(h.token_ids) >= req.max_tokens
         if done and slot.decoder:
             text += slot.decoder.flush()
         cut = min((text.find(s) for s in req.stop_strings if s in text), default=-1)
@@ -352,19 +680,39 @@ class Engine:
         # Text that may be the start of a stop string waits for the next token.
         send, slot.held_text = (text, "") if finish else _safe_split(text, req.stop_strings)
         h.text += send
-        h._emit(Event(token, send, None))
+        h._emit(Event(token, send, None, *logprobs))
         if finish:
-            self._finish(row, finish)
+            self._close(slot, finish)
+            # The response snapshot covers what the row's cache will cover: every token sent when
+            # a dispatched step feeds the last one (a response that ends while decoding), else
+            # all but the last (one that ends at its first token: the prompt's snapshot already).
+            # The snapshot is read after that step: device work runs in dispatch order.
+            self._snapshot(slot, slot.row, "response", length=length + int(moving), copy_partial=False)
+            self._free(slot)
 
-    def _finish(self, row: int, reason: str, snapshot: bool = True) -> None:
-        slot = self._rows[row]
-        self._rows[row] = None
+    def _close(self, slot: _Slot, reason: str) -> None:
+        """The client gets its finish event."""
+        slot.finished = True
         h = slot.handle
-        if snapshot and self.store is not None and reason in ("stop", "length"):
-            # The row's cache covers prompt + every generated token: the next turn resumes here.
-            tokens = list(h.request.prompt_ids) + h.token_ids
-            cache = read_row(self._cache, row, bucket(len(tokens), self.max_len))
-            self.store.insert(tokens, cache, self._logits[row], namespace=h.request.namespace, kind="response")
         h.finish_reason = reason
         self.counters[f"finished_{reason}"] += 1
         h._emit(Event(None, "", reason))
+
+    def _free(self, slot: _Slot) -> None:
+        """Free the slot and its pages (a snapshot taken before keeps its own hold). Safe while a
+        dispatched step still runs on the row: device work runs in dispatch order."""
+        self._rows[slot.row] = None
+        self.pool.release(slot.pages)
+
+    # --- small helpers ------------------------------------------------------------------
+    def _rows_array(self, rows: list[int], buckets: Sequence[int]) -> np.ndarray:
+        out = np.full((_bucket(len(rows), buckets),), self.slots, np.int32)  # padding: out of range
+        out[: len(rows)] = rows
+        return out
+
+    def _table_rows(self, rows: np.ndarray) -> np.ndarray:
+        """The page tables of `rows` (padding rows: no pages)."""
+        out = np.full((len(rows), self.pages_per_row), self.pool.num_pages, np.int32)
+        real = rows < self.slots
+        out[real] = self._table[rows[real]]
+        return out

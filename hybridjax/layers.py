@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from hybridjax import ops
-from hybridjax.cache import GDNState, KVState
+from hybridjax.cache import GDNState, KVState, PagedKV
 from hybridjax.config import Config
 from hybridjax.params import AttentionParams, DecoderLayer, GDNParams, MLPParams, MoEParams
 
@@ -44,8 +44,13 @@ def gated_deltanet(p: GDNParams, x: Array, state: GDNState, valid: Array, cfg: C
     return ops.dense(y, p.out_proj), GDNState(conv=conv_state, ssm=ssm)
 
 
-def gated_attention(p: AttentionParams, x: Array, state: KVState, starts: Array, cfg: Config):
-    """Gated full attention over the KV cache. x [B, T, D]; starts [B]: each row's cache length."""
+def gated_attention(p: AttentionParams, x: Array, state: KVState | PagedKV, starts: Array, valid: Array, cfg: Config,
+                    implementation=None):
+    """Gated full attention over the KV cache. x [B, T, D]; starts [B]: each row's cache length.
+
+    The cache is a row-contiguous `KVState` (the library's `Cache`) or the engine's page pool
+    (`PagedKV`): the same projections, norms and rope, then the matching write and attention.
+    """
     b, t, _ = x.shape
     hq, hkv, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     qg = ops.dense(x, p.q_proj).reshape(b, t, hq, 2 * dh)  # per head [q_h | gate_h]
@@ -58,11 +63,19 @@ def gated_attention(p: AttentionParams, x: Array, state: KVState, starts: Array,
     cos, sin = ops.rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
     q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
 
-    k_buf = ops.write_kv(state.k, k.astype(state.k.dtype), starts)
-    v_buf = ops.write_kv(state.v, v.astype(state.v.dtype), starts)
-    out = ops.attention(q, k_buf.astype(q.dtype), v_buf.astype(q.dtype), positions, dh**-0.5)
+    if isinstance(state, PagedKV):
+        k_pool = ops.write_kv_paged(state.k, k, state.table, starts, valid)
+        v_pool = ops.write_kv_paged(state.v, v, state.table, starts, valid)
+        out = ops.paged_attention(q, k_pool, v_pool, state.table, positions, scale=dh**-0.5,
+                                  implementation=implementation)
+        new_state = state.replace(k=k_pool, v=v_pool)
+    else:
+        k_buf = ops.write_kv(state.k, k.astype(state.k.dtype), starts, valid)
+        v_buf = ops.write_kv(state.v, v.astype(state.v.dtype), starts, valid)
+        out = ops.attention(q, k_buf.astype(q.dtype), v_buf.astype(q.dtype), positions, dh**-0.5)
+        new_state = KVState(k=k_buf, v=v_buf)
     out = out.reshape(b, t, hq * dh) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
-    return ops.dense(out, p.o_proj), KVState(k=k_buf, v=v_buf)
+    return ops.dense(out, p.o_proj), new_state
 
 
 def mlp(p: MLPParams, x: Array) -> Array:
@@ -101,7 +114,7 @@ def decoder_layer(p: DecoderLayer, x: Array, state, starts: Array, valid: Array,
     if isinstance(p.mixer, GDNParams):
         h, state = gated_deltanet(p.mixer, h, state, valid, cfg, implementation)
     else:
-        h, state = gated_attention(p.mixer, h, state, starts, cfg)
+        h, state = gated_attention(p.mixer, h, state, starts, valid, cfg, implementation)
     x = x + h
     h = ops.rms_norm(x, p.post_norm, cfg.rms_norm_eps)
     h = moe(p.ffn, h, cfg) if isinstance(p.ffn, MoEParams) else mlp(p.ffn, h)

@@ -1,54 +1,68 @@
 """The exact-prefix snapshot store.
 
-A snapshot is (tokens, cache, logits after the last token): the cache is a kept reference to
-an immutable value, so storing one costs nothing and restoring one copies nothing. Recurrent
-state cannot be trimmed, so reuse is exact-prefix: `lookup` returns the longest stored
-snapshot whose tokens are a prefix of the request's, within the request's namespace.
+A snapshot is (tokens, state, logits after the last token). In the engine the state is a row of
+its paged cache: the ids of the KV pages the row had filled (shared with the conversation it
+came from, by id; see hybridjax.pages) plus the row's small recurrent (GDN) state; the store
+holds the pages through the pool's reference counts. Any pytree of arrays works as the state
+(the library's `Cache` too). Storing one costs nothing and restoring one copies nothing but a
+partial last page. Recurrent state cannot be trimmed, so reuse is exact-prefix: `lookup` returns
+the longest stored snapshot whose tokens are a prefix of the request's, within the request's
+namespace.
 
-Bounds: bytes (a buffer shared by several snapshots is counted once), entry count and age
-(TTL), with least-recently-used eviction. Inserting a prompt snapshot drops the prompt and
-response snapshots it strictly extends when no other request used them and no other entry
-branches from them: the new prompt proves the conversation moved past them (a chat keeps
-its newest turn, branch points survive). A response snapshot supersedes nothing, since the
-next turn may not re-send the response token for token.
+Bounds: bytes (a buffer or page held by several snapshots is counted once), entry count and age
+(TTL), with least-recently-used eviction; the engine also evicts (LRU) when its page pool runs
+short. Inserting a prompt snapshot drops the prompt and response snapshots it strictly extends
+when no other request used them and no other entry branches from them: the new prompt proves the
+conversation moved past them (a chat keeps its newest turn, branch points survive). A response
+snapshot supersedes nothing, since the next turn may not re-send the response token for token.
 Thread-safe: the engine thread and the HTTP threads may call it concurrently.
+
+Persistence (`save` / `load`): one file per snapshot and one file of the pages they name (each
+page once), each with a SHA-256 checksum of its contents, written owner-only; a file that fails
+its checksum, belongs to another model or is not ours is skipped with a warning, and `save`
+only deletes files this store wrote or loaded.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import logging
+import os
 import pickle
 import threading
 import time
 from collections import Counter, OrderedDict
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import jax
 import numpy as np
 
-from hybridjax.cache import Cache
+from hybridjax.pages import PagePool
 
 log = logging.getLogger(__name__)
 
 KINDS = ("prompt", "response", "history", "checkpoint")
 SUPERSEDABLE = ("prompt", "response")
 FILE_SUFFIX = ".snapshot"
-FORMAT_VERSION = 1
+PAGES_SUFFIX = ".pages"
+FORMAT_VERSION = 2
+MAGIC = b"HJXSNAP2"  # then 32 bytes of SHA-256 over the rest, then a pickle
 
 
 @dataclasses.dataclass
 class Snapshot:
     tokens: tuple[int, ...]
-    cache: Cache  # batch of one row, lengths == [len(tokens)]
+    cache: object  # the row's state: a pytree of arrays (the engine: its GDN states), batch of one
     logits: jax.Array  # [vocab] float32: next-token logits after `tokens`
     namespace: str = ""
     kind: str = "prompt"
     created: float = 0.0
     last_used: float = 0.0
     hits: int = 0
+    pages: tuple[int, ...] = ()  # KV page ids covering `tokens`, in order (paged engine)
 
     def leaves(self) -> list:
         return jax.tree_util.tree_leaves(self.cache) + [self.logits]
@@ -77,9 +91,19 @@ class SnapshotStore:
         self.max_bytes, self.max_entries, self.ttl_s = max_bytes, max_entries, ttl_s
         self.clock = clock
         self._entries: OrderedDict[tuple[str, tuple[int, ...]], Snapshot] = OrderedDict()  # LRU order
-        self._buffers: dict[int, list] = {}  # id(leaf) -> [refcount, bytes, leaf]
+        self._buffers: dict = {}  # id(leaf) or ("page", id) -> [refcount, bytes, leaf or None]
         self._lock = threading.RLock()
+        self._pool: PagePool | None = None
+        self._page_bytes = 0
+        self._files: set[str] = set()  # names of the files this store wrote or loaded
         self.counters: Counter = Counter()
+
+    def use_pages(self, pool: PagePool, page_bytes: int) -> None:
+        """Snapshots may name pages of `pool` (each `page_bytes` bytes over all layers): the store
+        holds them through the pool's reference counts and counts each page's bytes once."""
+        if self._entries:
+            raise ValueError("attach the page pool before storing snapshots")
+        self._pool, self._page_bytes = pool, page_bytes
 
     # --- accounting -----------------------------------------------------------------
     @property
@@ -87,15 +111,25 @@ class SnapshotStore:
         with self._lock:
             return sum(b for _, b, _ in self._buffers.values())
 
+    @property
+    def pages_held(self) -> int:
+        """Distinct pages named by stored snapshots."""
+        with self._lock:
+            return sum(1 for key in self._buffers if isinstance(key, tuple))
+
     def __len__(self) -> int:
         return len(self._entries)
 
     def _ref(self, snap: Snapshot, delta: int) -> None:
-        for leaf in snap.leaves():
-            entry = self._buffers.setdefault(id(leaf), [0, _leaf_bytes(leaf), leaf])
+        held = [(id(leaf), _leaf_bytes(leaf), leaf) for leaf in snap.leaves()]
+        held += [(("page", p), self._page_bytes, None) for p in snap.pages]
+        for key, size, leaf in held:
+            entry = self._buffers.setdefault(key, [0, size, leaf])
             entry[0] += delta
             if entry[0] <= 0:
-                del self._buffers[id(leaf)]
+                del self._buffers[key]
+        if snap.pages and self._pool is not None:
+            (self._pool.retain if delta > 0 else self._pool.release)(snap.pages)
 
     # --- lookup ---------------------------------------------------------------------
     def lookup(self, tokens: Sequence[int], namespace: str = "") -> Hit:
@@ -133,16 +167,18 @@ class SnapshotStore:
             return hits
 
     # --- insertion and eviction -------------------------------------------------------
-    def insert(self, tokens: Sequence[int], cache: Cache, logits: jax.Array, *, namespace: str = "",
-               kind: str = "prompt", supersede: bool = True) -> Snapshot:
+    def insert(self, tokens: Sequence[int], cache, logits: jax.Array, *, namespace: str = "",
+               kind: str = "prompt", supersede: bool = True, pages: Sequence[int] = ()) -> Snapshot:
+        """Store a snapshot (the store takes its own hold on `pages`); an entry with the same
+        tokens keeps its older value, equal by construction."""
         if kind not in KINDS:
             raise ValueError(f"snapshot kind must be one of {KINDS}, got {kind!r}")
         tokens = tuple(int(t) for t in tokens)
         now = self.clock()
-        snap = Snapshot(tokens, cache, logits, namespace, kind, now, now)
+        snap = Snapshot(tokens, cache, logits, namespace, kind, now, now, pages=tuple(int(p) for p in pages))
         with self._lock:
             key = (namespace, tokens)
-            if key in self._entries:  # same tokens: keep the older value (equal by construction)
+            if key in self._entries:
                 old = self._entries[key]
                 old.last_used = now
                 if kind == "history" or old.kind in SUPERSEDABLE:
@@ -184,12 +220,24 @@ class SnapshotStore:
         for key in [k for k, s in self._entries.items() if now - s.last_used > self.ttl_s]:
             self._remove(key, "ttl")
 
+    def expire(self) -> None:
+        """Drop entries older than the TTL (also done on every lookup and insert)."""
+        with self._lock:
+            self._expire()
+
     def _enforce_bounds(self) -> None:
         self._expire()
         while len(self._entries) > self.max_entries:
             self._remove(next(iter(self._entries)), "entries")
         while self._entries and self.nbytes > self.max_bytes:
             self._remove(next(iter(self._entries)), "bytes")
+
+    def evict_until(self, enough: Callable[[], bool], reason: str = "pages") -> bool:
+        """Evict least-recently-used snapshots until `enough()` holds; False if it never does."""
+        with self._lock:
+            while not enough() and self._entries:
+                self._remove(next(iter(self._entries)), reason)
+            return enough()
 
     def clear(self) -> None:
         with self._lock:
@@ -202,50 +250,111 @@ class SnapshotStore:
 
     def stats(self) -> dict:
         with self._lock:
-            return {**self.counters, "entries": len(self._entries), "bytes": self.nbytes}
+            return {**self.counters, "entries": len(self._entries), "bytes": self.nbytes, "pages": self.pages_held}
 
     # --- persistence ----------------------------------------------------------------
-    def save(self, directory: str | Path) -> int:
-        """Write every snapshot to `directory` (one file each, written then renamed)."""
+    def save(self, directory: str | Path, read_pages: Callable | None = None) -> int:
+        """Write every snapshot to `directory` (one file each, plus one file of the pages they
+        name; written then renamed, owner-only). `read_pages(ids) -> (ks, vs)` reads pages from
+        the device (numpy, tuples over attention layers) when snapshots name pages."""
         d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        snaps = self.snapshots()
+        page_ids = sorted({p for s in snaps for p in s.pages})
+        if page_ids and read_pages is None:
+            raise ValueError("these snapshots name KV pages: save needs read_pages")
         written = set()
-        for snap in self.snapshots():
-            name = hashlib.sha256(repr((snap.namespace, snap.tokens)).encode()).hexdigest()[:32] + FILE_SUFFIX
-            payload = {
+        if page_ids:
+            ks, vs = read_pages(page_ids)
+            name = f"{self.model_id}{PAGES_SUFFIX}"
+            _write_file(d / name, {"version": FORMAT_VERSION, "model_id": self.model_id, "ids": page_ids,
+                                   "k": tuple(np.asarray(k) for k in ks), "v": tuple(np.asarray(v) for v in vs)})
+            written.add(name)
+        index = {p: i for i, p in enumerate(page_ids)}
+        for snap in snaps:
+            name = hashlib.sha256(repr((self.model_id, snap.namespace, snap.tokens)).encode()).hexdigest()[:32] + FILE_SUFFIX
+            _write_file(d / name, {
                 "version": FORMAT_VERSION, "model_id": self.model_id, "namespace": snap.namespace,
                 "kind": snap.kind, "tokens": np.asarray(snap.tokens, np.int32),
                 "cache": jax.tree_util.tree_map(np.asarray, snap.cache), "logits": np.asarray(snap.logits),
-            }
-            tmp = d / (name + ".tmp")
-            with open(tmp, "wb") as f:
-                pickle.dump(payload, f, protocol=pickle.HIGHEST_PROTOCOL)
-            tmp.replace(d / name)
+                "pages": [index[p] for p in snap.pages],
+            })
             written.add(name)
-        for stale in d.glob("*" + FILE_SUFFIX):  # snapshots evicted since the last save
-            if stale.name not in written:
-                stale.unlink()
-        return len(written)
+        for stale in self._files - written:  # ours, evicted since: never another model's files
+            path = d / stale
+            if path.is_file():
+                path.unlink()
+        self._files = written
+        return len(snaps)
 
-    def load(self, directory: str | Path) -> int:
-        """Load snapshots saved by `save` for this model; skip (with a warning) anything else."""
+    def load(self, directory: str | Path, write_pages: Callable | None = None) -> int:
+        """Load snapshots saved by `save` for this model; skip (with a warning) anything else.
+        `write_pages(ks, vs) -> ids` puts saved pages into the pool (each held once by the caller)."""
         d = Path(directory)
+        if not d.is_dir():
+            return 0
+        pages = self._load_pages(d / f"{self.model_id}{PAGES_SUFFIX}", write_pages)
         loaded = 0
-        for path in sorted(d.glob("*" + FILE_SUFFIX)) if d.is_dir() else []:
-            try:
-                with open(path, "rb") as f:
-                    p = _SafeUnpickler(f).load()
-                if p.get("version") != FORMAT_VERSION or p.get("model_id") != self.model_id:
-                    log.warning("prefix cache: %s belongs to another model or format; skipped", path.name)
+        try:
+            for path in sorted(d.glob("*" + FILE_SUFFIX)):
+                if not path.is_file():
                     continue
-                cache = jax.tree_util.tree_map(jax.numpy.asarray, p["cache"])
-                # What survived before the restart survives it: no supersession while loading.
-                self.insert(p["tokens"].tolist(), cache, jax.numpy.asarray(p["logits"]),
-                            namespace=p["namespace"], kind=p["kind"], supersede=False)
-                loaded += 1
-            except Exception as e:  # a corrupt file must never stop the server
-                log.warning("prefix cache: %s is unreadable (%s); skipped", path.name, e)
+                try:
+                    p = _read_file(path)
+                    if p.get("version") != FORMAT_VERSION or p.get("model_id") != self.model_id:
+                        log.warning("prefix cache: %s belongs to another model or format; skipped", path.name)
+                        continue
+                    ids = tuple(pages[i] for i in p["pages"]) if p["pages"] else ()
+                    cache = jax.tree_util.tree_map(jax.numpy.asarray, p["cache"])
+                    # What survived before the restart survives it: no supersession while loading.
+                    self.insert(p["tokens"].tolist(), cache, jax.numpy.asarray(p["logits"]), namespace=p["namespace"],
+                                kind=p["kind"], supersede=False, pages=ids)
+                    self._files.add(path.name)
+                    loaded += 1
+                except Exception as e:  # a corrupt file must never stop the server
+                    log.warning("prefix cache: %s is unreadable (%s); skipped", path.name, e)
+        finally:
+            if pages and self._pool is not None:
+                self._pool.release(pages)  # the snapshots hold what they use; the rest is free again
         return loaded
+
+    def _load_pages(self, path: Path, write_pages: Callable | None) -> list[int]:
+        if not path.is_file():
+            return []
+        try:
+            p = _read_file(path)
+            if p.get("version") != FORMAT_VERSION or p.get("model_id") != self.model_id:
+                raise ValueError("another model or format")
+            if write_pages is None or self._pool is None:
+                raise ValueError("no page pool to load pages into")
+            self._files.add(path.name)
+            return list(write_pages(p["k"], p["v"]))
+        except Exception as e:
+            log.warning("prefix cache: %s is unreadable (%s); snapshots that name pages are skipped", path.name, e)
+            return []
+
+
+def _write_file(path: Path, payload: dict) -> None:
+    """MAGIC + sha256(body) + body, written to a temporary file (owner-only) then renamed."""
+    body = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(MAGIC + hashlib.sha256(body).digest() + body)
+    tmp.replace(path)
+
+
+def _read_file(path: Path) -> dict:
+    data = path.read_bytes()
+    head = len(MAGIC) + 32
+    if len(data) < head or not data.startswith(MAGIC):
+        raise ValueError("not a hybridjax snapshot file")
+    if hashlib.sha256(data[head:]).digest() != data[len(MAGIC):head]:
+        raise ValueError("checksum mismatch")
+    payload = _SafeUnpickler(io.BytesIO(data[head:])).load()
+    if not isinstance(payload, dict):
+        raise ValueError("not a snapshot payload")
+    return payload
 
 
 class _SafeUnpickler(pickle.Unpickler):

@@ -1,43 +1,35 @@
-"""The engine on the embedded default model: greedy parity with the cold path (`generate`) with
+"""The engine on the tiny random test model (`tiny_test_model`): greedy parity with the cold path (`generate`) with
 the snapshot store off and on, turn-to-turn and checkpoint reuse, exact repeats, batching
 independence, seeded sampling, stop conditions, cancellation, failures and admission errors.
 
-JAX compiles once per shape (~5-25 s each on 2 cores), so the engines are module-scoped and
-share every compiled function, and all shapes are pinned: every prompt is 17..32 tokens (one
-prefill bucket, suffixes and checkpoint chunks in the 16 bucket), every prompt + max_tokens
-fits the first 64-token KV bucket, and the cold path always asks for the same 16 new tokens
-(greedy tokens of a shorter request are a prefix of those).
+JAX compiles once per shape (~1-25 s each on 2 cores), so the engines are module-scoped and
+share every compiled function (one configuration, `engine_helpers.ENGINE_KW`).
 """
 
 from __future__ import annotations
 
-import functools
 import time
 
 import jax
 import pytest
+from engine_helpers import ENGINE_KW, SLOTS, TIMEOUT, cold, collect, enc, ids, prefilled, run
 
-import hybridjax.engine as engine_module
-from hybridjax.default_model import default_model
+import hybridjax.engine_steps as engine_steps
+from hybridjax.default_model import tiny_test_model
 from hybridjax.engine import Engine, GenerationRequest, QueueFull
-from hybridjax.generate import generate
 from hybridjax.prefix_cache import SnapshotStore
-from hybridjax.sampling import sampling_params
-
-SLOTS, MAX_LEN, COLD_NEW = 4, 256, 16
-TIMEOUT = 300  # seconds for one request (the first ones include compilation)
 
 
 @pytest.fixture(scope="module")
 def model():
-    return default_model()
+    return tiny_test_model()
 
 
 @pytest.fixture(scope="module")
 def engine(model):
     """Store on, no checkpoint interval."""
     cfg, params, tok = model
-    eng = Engine(cfg, params, tok, slots=SLOTS, max_len=MAX_LEN, store=SnapshotStore("test")).start()
+    eng = Engine(cfg, params, tok, store=SnapshotStore("test"), **ENGINE_KW).start()
     yield eng
     eng.stop()
 
@@ -45,7 +37,7 @@ def engine(model):
 @pytest.fixture(scope="module")
 def engine_nostore(model):
     cfg, params, tok = model
-    eng = Engine(cfg, params, tok, slots=SLOTS, max_len=MAX_LEN, store=None).start()
+    eng = Engine(cfg, params, tok, store=None, **ENGINE_KW).start()
     yield eng
     eng.stop()
 
@@ -54,54 +46,9 @@ def engine_nostore(model):
 def engine_ckpt(model):
     """Store on, a snapshot every 16 prefilled tokens."""
     cfg, params, tok = model
-    eng = Engine(cfg, params, tok, slots=SLOTS, max_len=MAX_LEN, store=SnapshotStore("test"),
-                 checkpoint_interval=16).start()
+    eng = Engine(cfg, params, tok, store=SnapshotStore("test"), checkpoint_interval=16, **ENGINE_KW).start()
     yield eng
     eng.stop()
-
-
-def enc(text: str) -> list[int]:
-    return default_model()[2].encode(text)
-
-
-def ids(text: str) -> list[int]:
-    """A prompt in the one prefill bucket the tests use (byte-level: one token per byte)."""
-    p = enc(text)
-    assert 17 <= len(p) <= 32, (text, len(p))
-    return p
-
-
-@functools.lru_cache(maxsize=None)
-def _cold(prompt: tuple, seed: int, temperature: float) -> tuple:
-    cfg, params, _ = default_model()
-    sp = sampling_params(1, temperature=temperature)
-    g = generate(params, cfg, [list(prompt)], max_new_tokens=COLD_NEW, max_len=MAX_LEN, seeds=[seed], sampling=sp)
-    return tuple(g.token_lists()[0])
-
-
-def cold(prompt, n: int, *, seed: int = 0, temperature: float = 0.0) -> list[int]:
-    """The first n tokens `hybridjax.generate.generate` gives for `prompt` alone, from scratch."""
-    assert n <= COLD_NEW and len(prompt) <= 32
-    return list(_cold(tuple(prompt), seed, temperature)[:n])
-
-
-def collect(handle, timeout: float = TIMEOUT):
-    """Drain a handle's events, check they agree with the handle, return the handle."""
-    events = list(handle.events(timeout=timeout))
-    assert events[-1].finish_reason is not None and events[-1].token_id is None
-    assert all(e.finish_reason is None for e in events[:-1])
-    assert [e.token_id for e in events[:-1]] == handle.token_ids
-    assert "".join(e.text for e in events) == handle.text
-    assert handle.finish_reason == events[-1].finish_reason
-    return handle
-
-
-def run(eng: Engine, prompt, max_tokens: int, **kw):
-    return collect(eng.submit(GenerationRequest(list(prompt), max_tokens=max_tokens, **kw)))
-
-
-def prefilled(eng: Engine) -> int:
-    return eng.store.counters["tokens_prefilled"]
 
 
 # --- parity with the cold path ------------------------------------------------------------
@@ -282,22 +229,23 @@ def test_cancel_frees_the_slot_for_a_waiting_request(engine_nostore):
 def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(engine_nostore, monkeypatch, caplog):
     eng = engine_nostore
     assert _wait(lambda: eng.active_slots == 0)
-    real = engine_module.sample_and_decode_donating
+    real = engine_steps.decode
     calls = []
 
-    def fail_after_donating(params, logits, cache, sampler, active, cfg):
-        if not calls:  # the worst case: the donated inputs are gone when the error surfaces
+    def fail_after_donating(params, state, *args):
+        if not calls:  # the worst case: the donated state is gone when the error surfaces
             calls.append(1)
-            for x in [logits, *jax.tree_util.tree_leaves(cache), *jax.tree_util.tree_leaves(sampler)]:
+            for x in jax.tree_util.tree_leaves(state):
                 x.delete()
             raise RuntimeError("injected step failure")
-        return real(params, logits, cache, sampler, active, cfg)
+        return real(params, state, *args)
 
-    monkeypatch.setattr(engine_module, "sample_and_decode_donating", fail_after_donating)
+    monkeypatch.setattr(engine_steps, "decode", fail_after_donating)
     errors = eng.counters["errors"]
     p = ids("This step will fail, sorry")
     h = run(eng, p, 4)
-    assert h.finish_reason == "error" and h.token_ids == [] and eng.counters["errors"] == errors + 1
+    # the first token comes from the prefill, before the failing decode step
+    assert h.finish_reason == "error" and len(h.token_ids) <= 1 and eng.counters["errors"] == errors + 1
     assert "engine step failed" in caplog.text
     again = run(eng, p, 4)
     assert again.finish_reason == "length" and again.token_ids == cold(p, 4)
@@ -343,7 +291,7 @@ def test_requests_admitted_together_share_their_common_prefix(model):
     """Four requests with one shared prefix arrive at once: the first snapshots the shared
     part, the other three resume from it (and still equal the cold path)."""
     cfg, params, tok = model
-    eng = Engine(cfg, params, tok, slots=SLOTS, max_len=MAX_LEN, store=SnapshotStore("test"))
+    eng = Engine(cfg, params, tok, store=SnapshotStore("test"), **ENGINE_KW)
     base = enc("One shared system prompt. ")
     handles = [eng.submit(GenerationRequest(ids(f"One shared system prompt. q{i}"), max_tokens=3)) for i in range(SLOTS)]
     eng.start()  # all four are waiting: one admission pass takes them together
@@ -356,3 +304,66 @@ def test_requests_admitted_together_share_their_common_prefix(model):
     assert [h.cached_tokens for h in handles] == [0] + [shared] * (SLOTS - 1)
     for h in handles:
         assert h.token_ids == cold(h.request.prompt_ids, 3)
+
+
+def test_a_request_cancelled_while_queued_counts_as_finished(model):
+    cfg, params, tok = model
+    eng = Engine(cfg, params, tok, store=None, **ENGINE_KW)  # not started: the request stays queued
+    h = eng.submit(GenerationRequest(ids("Cancelled while it waits!!"), max_tokens=4))
+    h.cancel()
+    eng.start()
+    try:
+        collect(h)
+    finally:
+        eng.stop()
+    assert h.finish_reason == "cancelled" and eng.counters["finished_cancelled"] == 1
+
+
+def test_snapshots_expire_on_a_timer_while_the_engine_is_idle(model):
+    cfg, params, tok = model
+    store = SnapshotStore("ttl", ttl_s=0.3)
+    eng = Engine(cfg, params, tok, store=store, **ENGINE_KW).start()
+    try:
+        run(eng, ids("Expire me soon, please!!"), 2)
+        assert len(store) > 0
+        deadline = time.monotonic() + 30
+        while len(store) and time.monotonic() < deadline:  # no request arrives meanwhile
+            time.sleep(0.05)
+        assert len(store) == 0 and store.counters["evictions_ttl"] > 0
+        assert eng.pool.free == eng.pool.num_pages  # their pages went back to the pool
+    finally:
+        eng.stop()
+
+
+def test_logprobs_come_from_the_logits_the_token_was_drawn_from(engine_nostore, model):
+    """Greedy: the token is the most likely one, and its log-probability is log_softmax of the
+    model's logits (checked for every token against `forward` over prompt + tokens)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from hybridjax import forward, init_cache
+
+    cfg, params, _ = model
+    p = ids("Log-probabilities, please!")
+    h = run(engine_nostore, p, 5, logprobs=3)
+    assert len(h.logprobs) == 5
+    seq = p + h.token_ids
+    logits, _ = forward(params, jnp.asarray([seq]), init_cache(cfg, 1, 64), cfg)
+    want = np.asarray(jax.nn.log_softmax(logits[0], axis=-1))
+    for i, (tok, (lp, top)) in enumerate(zip(h.token_ids, h.logprobs)):
+        assert len(top) == 3 and top[0][0] == tok and top[0][1] == lp
+        assert [t for t, _ in top] == list(np.argsort(-want[len(p) - 1 + i])[:3])
+        # float32 logits of order 10 through two different programs (engine step, plain forward)
+        np.testing.assert_allclose(lp, want[len(p) - 1 + i, tok], atol=1e-4)
+    assert run(engine_nostore, p, 2).logprobs == []  # not asked: not computed
+
+
+def test_a_background_prefill_leaves_a_snapshot_and_no_tokens(engine):
+    p = ids("Prefill me while idle, ok?")
+    h = engine.prefill_in_background(p, namespace="bg")
+    collect(h)
+    assert h.finish_reason == "stop" and h.token_ids == []
+    snap = engine.store.lookup(p, namespace="bg")
+    assert snap.exact and snap.snapshot.kind == "history"
+    r = run(engine, p, 4, namespace="bg")
+    assert r.cached_tokens == len(p) and r.token_ids == cold(p, 4)

@@ -4,9 +4,11 @@ values (or any pytrees of arrays), logits small arrays, time a fake clock."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import pickle
+import stat
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +16,8 @@ import numpy as np
 import pytest
 
 from hybridjax.cache import init_cache, nbytes
-from hybridjax.default_model import default_model
-from hybridjax.prefix_cache import FILE_SUFFIX, SnapshotStore, checkpoint_positions, history_boundary
+from hybridjax.default_model import tiny_test_model
+from hybridjax.prefix_cache import FILE_SUFFIX, MAGIC, SnapshotStore, checkpoint_positions, history_boundary
 
 VOCAB = 8  # logits length: only their bytes and values matter here
 
@@ -30,12 +32,12 @@ class FakeClock:
 
 @pytest.fixture(scope="module")
 def cfg():
-    return default_model()[0]
+    return tiny_test_model()[0]
 
 
 @pytest.fixture(scope="module")
 def tok():
-    return default_model()[2]
+    return tiny_test_model()[2]
 
 
 def make_cache(cfg, fill: float = 0.0):
@@ -317,28 +319,65 @@ class _Evil:
         return (os.system, (f"touch {self.marker}",))
 
 
+def _sealed(payload) -> bytes:
+    """A file with a valid header and checksum around any pickle: what an attacker who can write
+    the directory could make. The checksum is against corruption; the unpickler against this."""
+    body = pickle.dumps(payload)
+    return MAGIC + hashlib.sha256(body).digest() + body
+
+
 def test_corrupt_files_are_skipped_with_a_warning(cfg, tmp_path, caplog):
     s = SnapshotStore("model-1")
     s.insert([1, 2, 3], make_cache(cfg), logits(), kind="checkpoint")
+    s.insert([4, 5], make_cache(cfg), logits(2.0), kind="checkpoint")
     s.save(tmp_path)
+    good, flipped = sorted(tmp_path.glob("*" + FILE_SUFFIX))
+    data = bytearray(flipped.read_bytes())
+    data[-40] ^= 0x01  # one flipped bit in the stored arrays
+    flipped.write_bytes(bytes(data))
     marker = tmp_path / "pwned"
     (tmp_path / ("garbage" + FILE_SUFFIX)).write_bytes(b"\x00\x01not a pickle at all\xff" * 10)
-    (tmp_path / ("truncated" + FILE_SUFFIX)).write_bytes(next(tmp_path.glob("*" + FILE_SUFFIX)).read_bytes()[:100])
-    (tmp_path / ("evil" + FILE_SUFFIX)).write_bytes(pickle.dumps({"version": 1, "payload": _Evil(marker)}))
-    (tmp_path / ("system" + FILE_SUFFIX)).write_bytes(pickle.dumps(os.system))
-    (tmp_path / ("list" + FILE_SUFFIX)).write_bytes(pickle.dumps([1, 2, 3]))
+    (tmp_path / ("truncated" + FILE_SUFFIX)).write_bytes(good.read_bytes()[:100])
+    (tmp_path / ("evil" + FILE_SUFFIX)).write_bytes(_sealed({"version": 2, "payload": _Evil(marker)}))
+    (tmp_path / ("system" + FILE_SUFFIX)).write_bytes(_sealed(os.system))
+    (tmp_path / ("list" + FILE_SUFFIX)).write_bytes(_sealed([1, 2, 3]))
     (tmp_path / ("empty" + FILE_SUFFIX)).write_bytes(b"")
+    (tmp_path / ("a-directory" + FILE_SUFFIX)).mkdir()
 
     t = SnapshotStore("model-1")
     with caplog.at_level(logging.WARNING, logger="hybridjax.prefix_cache"):
-        assert t.load(tmp_path) == 1  # only the good one
+        assert t.load(tmp_path) == 1  # only the intact one
     assert not marker.exists()
-    assert len(t) == 1 and t.lookup([1, 2, 3]).exact
-    for name in ("garbage", "truncated", "evil", "system", "list", "empty"):
-        assert name + FILE_SUFFIX in caplog.text
-    assert "forbidden" in caplog.text
-    # a missing directory is not an error
+    assert len(t) == 1
+    kept = t.snapshots()[0]
+    assert t.lookup(list(kept.tokens)).exact
+    for name in ("garbage", "truncated", "evil", "system", "list", "empty", flipped.stem):
+        assert name + FILE_SUFFIX in caplog.text, name
+    assert "forbidden" in caplog.text and "checksum mismatch" in caplog.text
+    # a missing directory is not an error, and a directory named like a snapshot breaks nothing
     assert SnapshotStore("model-1").load(tmp_path / "missing") == 0
+    assert t.save(tmp_path) == 1
+
+
+def test_save_writes_owner_only_files_and_deletes_only_its_own(cfg, tmp_path):
+    other = SnapshotStore("model-2")
+    other.insert([7, 7], make_cache(cfg), logits(), kind="checkpoint")
+    other.save(tmp_path)
+    theirs = set(tmp_path.glob("*" + FILE_SUFFIX))
+    (tmp_path / ("stranger" + FILE_SUFFIX)).write_bytes(b"someone else's file")
+
+    s = SnapshotStore("model-1")
+    s.insert([1, 2, 3], make_cache(cfg), logits(), kind="checkpoint")
+    s.save(tmp_path)
+    ours = set(tmp_path.glob("*" + FILE_SUFFIX)) - theirs - {tmp_path / ("stranger" + FILE_SUFFIX)}
+    assert len(ours) == 1
+    for path in ours:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600  # snapshots hold prompts
+    s.clear()
+    assert s.save(tmp_path) == 0
+    left = set(tmp_path.glob("*" + FILE_SUFFIX))
+    assert not (ours & left)  # ours, evicted since the last save: deleted
+    assert theirs <= left and (tmp_path / ("stranger" + FILE_SUFFIX)) in left  # never another's
 
 
 # --- where snapshots are taken ------------------------------------------------------------

@@ -15,11 +15,11 @@ import openai
 import pytest
 import uvicorn
 
-from hybridjax.cli import load_model
+from hybridjax.default_model import TINY_NAME, tiny_test_model
 from hybridjax.server import ServerConfig, create_app
 from hybridjax.server.app import build_engine
 
-MODEL = "hybridjax-default-tiny"
+MODEL = TINY_NAME
 
 
 def free_port() -> int:
@@ -31,9 +31,9 @@ def free_port() -> int:
 class RunningServer:
     def __init__(self, **kw):
         api_key, cache_dir = kw.get("api_key"), kw.get("cache_dir")
-        cfg, params, tok, name = load_model(None)
+        (cfg, params, tok), name = tiny_test_model(), TINY_NAME
         self.engine, self.store = build_engine(ServerConfig(**kw), cfg, params, tok, name)
-        app = create_app(self.engine, name, api_key=api_key, cache_dir=cache_dir)
+        app = create_app(self.engine, name, api_key=api_key, cache_dir=cache_dir, warmup=kw.get("warmup", True))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
@@ -180,7 +180,7 @@ def test_disconnected_stream_frees_its_slot(cached):
 
 
 def test_auth_queue_bound_and_eviction():
-    s = RunningServer(slots=1, max_len=512, max_queue=1, api_key="sekret", cache_entries=2)
+    s = RunningServer(slots=1, max_len=512, max_queue=1, api_key="sekret", cache_entries=2, warmup=False)
     try:
         bad = openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError, match="invalid or missing API key"):
@@ -214,16 +214,42 @@ def test_auth_queue_bound_and_eviction():
 def test_snapshots_persist_across_restart(tmp_path):
     d = str(tmp_path / "snaps")
     prompt = "Persist me across a restart, please."
-    s = RunningServer(slots=2, max_len=512, cache_dir=d)
+    s = RunningServer(slots=4, max_len=512, cache_dir=d)
     try:
         first = s.client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
     finally:
         s.stop()  # saves on shutdown
     (tmp_path / "snaps" / "garbage.snapshot").write_bytes(b"not a snapshot")  # skipped with a warning
-    s = RunningServer(slots=2, max_len=512, cache_dir=d)
+    s = RunningServer(slots=4, max_len=512, cache_dir=d)
     try:
         again = s.client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
         assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens
         assert again.choices[0].text == first.choices[0].text
     finally:
         s.stop()
+
+
+def test_completion_streams_open_with_text_and_chat_streams_with_the_role(cached):
+    body = {"model": MODEL, "prompt": "Stream opening check.", "max_tokens": 3, "temperature": 0, "stream": True}
+    with httpx.stream("POST", cached.url + "/v1/completions", json=body, timeout=120) as r:
+        first = json.loads(next(line for line in r.iter_lines() if line.startswith("data: "))[6:])
+    assert first["choices"][0]["text"] != ""  # no empty chunk before anything is computed
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", cached.url + "/v1/chat/completions", json=body, timeout=120) as r:
+        first = json.loads(next(line for line in r.iter_lines() if line.startswith("data: "))[6:])
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+
+
+def test_health_says_loading_until_the_engine_serves():
+    (cfg, params, tok), name = tiny_test_model(), TINY_NAME
+    engine, _ = build_engine(ServerConfig(slots=4, max_len=512), cfg, params, tok, name)
+    release = threading.Event()
+    engine.warmup = lambda progress=False: release.wait(60)  # a warm-up that takes until released
+    app = create_app(engine, name)
+    from fastapi.testclient import TestClient
+
+    with TestClient(app) as client:
+        assert client.get("/health").status_code == 503 and client.get("/health").json() == {"status": "loading"}
+        release.set()
+        assert engine.ready.wait(60)
+        assert client.get("/health").json() == {"status": "ok"}

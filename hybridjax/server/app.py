@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 
 from hybridjax.engine import Engine, GenerationRequest, QueueFull, RequestHandle
+from hybridjax.pages import page_bytes
 from hybridjax.prefix_cache import SnapshotStore, history_boundary, model_identity
 from hybridjax.server.metrics import render_metrics
 from hybridjax.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -43,6 +44,11 @@ class ServerConfig:
     checkpoint_interval: int = 256
     cache_dir: str | None = None
     api_key: str | None = None
+    page_size: int = 64
+    kv_pages: int | None = None  # None: from kv_mb, else room for every slot at max_len, twice
+    kv_mb: float | None = None  # the KV pool's memory budget, when kv_pages is not given
+    prefill_chunk: int = 256
+    warmup: bool = True  # compile every shape before serving
 
 
 class APIError(Exception):
@@ -65,25 +71,32 @@ def build_engine(sc: ServerConfig, cfg, params, tokenizer, name: str):
     if sc.prefix_cache:
         store = SnapshotStore(model_identity(name, cfg, params), max_bytes=int(sc.cache_mb * 2**20),
                               max_entries=sc.cache_entries, ttl_s=sc.cache_ttl_s)
+    num_pages = sc.kv_pages
+    if num_pages is None and sc.kv_mb is not None:
+        num_pages = max(1, int(sc.kv_mb * 2**20 // page_bytes(cfg, sc.page_size, params.embed.dtype)))
     engine = Engine(cfg, params, tokenizer, slots=sc.slots, max_len=max_len, store=store,
-                    checkpoint_interval=sc.checkpoint_interval, max_queue=sc.max_queue)
+                    checkpoint_interval=sc.checkpoint_interval, max_queue=sc.max_queue, page_size=sc.page_size,
+                    num_pages=num_pages, prefill_chunk=sc.prefill_chunk)
     return engine, store
 
 
-def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, cache_dir: str | None = None) -> FastAPI:
+def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, cache_dir: str | None = None,
+               warmup: bool = True) -> FastAPI:
+    """The app; its start-up loads persisted snapshots and starts the engine, which compiles every
+    shape first (`warmup`) while /health answers 503 "loading"."""
     store = engine.store
     created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app):
         if store is not None and cache_dir:
-            n = store.load(cache_dir)
+            n = engine.load_snapshots(cache_dir)
             log.info("prefix cache: loaded %d snapshots from %s", n, cache_dir)
-        engine.start()
+        engine.start(warmup=warmup, progress=warmup)
         yield
         engine.stop()
         if store is not None and cache_dir:
-            n = store.save(cache_dir)
+            n = engine.save_snapshots(cache_dir)
             log.info("prefix cache: saved %d snapshots to %s", n, cache_dir)
 
     app = FastAPI(title="hybridjax", lifespan=lifespan)
@@ -166,7 +179,7 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, c
                 "total_tokens": h.prompt_tokens + len(h.token_ids),
                 "prompt_tokens_details": {"cached_tokens": h.cached_tokens}}
 
-    async def run(h: RequestHandle, make_body, make_chunk, include_usage: bool, stream: bool):
+    async def run(h: RequestHandle, make_body, make_chunk, include_usage: bool, stream: bool, chat: bool):
         if not stream:
             try:
                 async for ev in h.aevents():
@@ -179,7 +192,8 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, c
 
         async def sse():
             try:
-                yield _sse(make_chunk(h, {"role": "assistant", "content": ""}, None))
+                if chat:  # chat streams open with the role; completions streams with the first text
+                    yield _sse(make_chunk(h, {"role": "assistant", "content": ""}, None))
                 async for ev in h.aevents():
                     if ev.finish_reason is None:
                         if ev.text:
@@ -226,7 +240,7 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, c
                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
 
         include = bool(req.stream_options and req.stream_options.include_usage)
-        return await run(h, body, chunk, include, req.stream)
+        return await run(h, body, chunk, include, req.stream, chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -246,7 +260,7 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, c
                     "choices": [{"index": 0, "text": delta.get("content", ""), "finish_reason": finish, "logprobs": None}]}
 
         include = bool(req.stream_options and req.stream_options.include_usage)
-        return await run(h, body, chunk, include, req.stream)
+        return await run(h, body, chunk, include, req.stream, chat=False)
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -257,7 +271,8 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, c
     @app.get("/health")
     async def health():
         alive = engine._thread is not None and engine._thread.is_alive()
-        return JSONResponse({"status": "ok" if alive else "down"}, status_code=200 if alive else 503)
+        status = ("ok" if engine.ready.is_set() else "loading") if alive else "down"
+        return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics():
@@ -287,7 +302,8 @@ def serve(sc: ServerConfig, cfg, params, tokenizer, name: str) -> int:
     engine, _ = build_engine(sc, cfg, params, tokenizer, name)
     if sc.cache_dir:
         Path(sc.cache_dir).mkdir(parents=True, exist_ok=True)
-    app = create_app(engine, name, api_key=sc.api_key, cache_dir=sc.cache_dir if sc.prefix_cache else None)
+    app = create_app(engine, name, api_key=sc.api_key, cache_dir=sc.cache_dir if sc.prefix_cache else None,
+                     warmup=sc.warmup)
     log.info("serving %s on http://%s:%d", name, sc.host, sc.port)
     uvicorn.run(app, host=sc.host, port=sc.port, log_level="info", timeout_graceful_shutdown=5)
     return 0

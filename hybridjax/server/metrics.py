@@ -31,10 +31,19 @@ class _Collector:
         for reason in ("stop", "length", "cancelled"):
             fin.add_metric([reason], e.counters.get(f"finished_{reason}", 0))
         yield fin
-        for name, value in (("queue_depth", e.queue_depth), ("active_slots", e.active_slots), ("slots", e.slots)):
-            g = GaugeMetricFamily(f"hybridjax_{name}", name.replace("_", " "))
+        for name, value, help_ in (("queue_depth", e.queue_depth, "requests waiting for a slot"),
+                                   ("active_slots", e.active_slots, "slots running a request"),
+                                   ("slots", e.slots, "slots"),
+                                   ("kv_pages", e.pool.num_pages, "pages in the KV pool"),
+                                   ("kv_pages_free", e.pool.free, "free pages in the KV pool"),
+                                   ("kv_page_tokens", e.pool.page_size, "tokens per KV page")):
+            g = GaugeMetricFamily(f"hybridjax_{name}", help_)
             g.add_metric([], value)
             yield g
+        for name, help_ in (("prefill_chunks", "prefill calls"), ("tokens_prefilled", "prompt tokens run through the model")):
+            c = CounterMetricFamily(f"hybridjax_{name}", help_)
+            c.add_metric([], e.counters.get(name, 0))
+            yield c
         if e.store is None:
             return
         stats = e.store.stats()
@@ -51,7 +60,7 @@ class _Collector:
                 miss.add_metric([key[len("misses_"):]], value)
         yield ev
         yield miss
-        for name, value in (("bytes", stats["bytes"]), ("entries", stats["entries"])):
+        for name, value in (("bytes", stats["bytes"]), ("entries", stats["entries"]), ("pages", stats["pages"])):
             g = GaugeMetricFamily(f"hybridjax_prefix_cache_{name}", f"snapshot {name} held")
             g.add_metric([], value)
             yield g

@@ -1,0 +1,273 @@
+"""The engine's device state and its jitted steps: the engine's jit boundaries.
+
+`EngineState` holds, for a fixed number of slots, every row's recurrent (GDN) state, cache
+length, last logits and sampler, and the attention KV of all rows in one page pool
+(`PagedKV`, shared by rows and snapshots; see hybridjax.pages). Each step takes the state and
+returns the new one, donated, so nothing is copied between steps.
+
+A step works on a few rows, named by an index array `rows` (a batch bucket: 1, 2, 4, ... rows,
+so idle slots cost nothing). Padding entries hold `slots`, out of range: gathers clamp them and
+scatters drop them, and their token counts are 0, so their KV writes are dropped too. A padded
+call changes nothing but its real rows, which also lets start-up compile every shape by running
+it on padding alone.
+
+Token flow: a row's `pending` token has been drawn but not yet fed to the model. A prefill
+chunk that completes a prompt draws the first token at once (it is sent before any decode
+step runs); a decode step feeds every active row's pending token and draws the next. A row
+stops drawing by itself (`done`) when it draws one of its stop ids or exhausts its budget; the
+next step feeds that last token and the row goes `idle`, its cache covering every token it
+drew (what its response snapshot needs). So a step dispatched before the host has seen the
+previous one never moves a finished row past its end: the host reads step N's tokens while
+step N+1 runs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from hybridjax.cache import Cache, GDNState, PagedKV
+from hybridjax.config import FULL, Config
+from hybridjax.generate import Sampler, next_token
+from hybridjax.model import forward
+from hybridjax.sampling import SamplingParams, apply_penalties
+
+Array = jax.Array
+
+MAX_STOPS = 8  # stop ids a row checks on the device; more are checked by the host, a step later
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+
+
+@struct.dataclass
+class EngineState:
+    layers: tuple  # per model layer: GDNState [slots, ...] or the PagedKV pool [P, S, Hkv, Dh] (table None)
+    lengths: Array  # [slots] int32: tokens in each row's cache
+    logits: Array  # [slots, vocab] float32: after each row's last cached token
+    sampler: Sampler  # [slots]
+    pending: Array  # [slots] int32: drawn, not yet fed
+    budget: Array  # [slots] int32: tokens the row may still draw
+    stops: Array  # [slots, MAX_STOPS] int32, -1 = none
+    done: Array  # [slots] bool: drew a stop id or exhausted its budget: draws no more
+    idle: Array  # [slots] bool: nothing pending (a done row's last token has been fed too)
+    want_logprobs: Array  # [slots] bool: the request asked for log-probabilities
+
+    @property
+    def slots(self) -> int:
+        return int(self.lengths.shape[0])
+
+
+def init_state(cfg: Config, slots: int, num_pages: int, page_size: int, dtype=jnp.float32) -> EngineState:
+    """Zeros everywhere (every leaf its own buffer: donation needs that)."""
+    layers = []
+    for t in cfg.layer_types:
+        if t == FULL:
+            shape = (num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
+            layers.append(PagedKV(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)))
+        else:
+            hv, k, v = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+            layers.append(GDNState(conv=jnp.zeros((slots, cfg.linear_conv_kernel_dim - 1, cfg.gdn_conv_dim), jnp.float32),
+                                   ssm=jnp.zeros((slots, hv, k, v), jnp.float32)))
+    vocab = cfg.vocab_size
+    params = SamplingParams(*(jnp.zeros((slots,), d) for d in (jnp.float32, jnp.int32) + (jnp.float32,) * 5))
+    sampler = Sampler(params, jax.vmap(jax.random.PRNGKey)(jnp.zeros((slots,), jnp.uint32)), jnp.zeros((slots,), jnp.int32),
+                      jnp.zeros((slots, vocab), bool), jnp.zeros((slots, vocab), jnp.int32))
+    return EngineState(tuple(layers), jnp.zeros((slots,), jnp.int32), jnp.zeros((slots, vocab), jnp.float32), sampler,
+                       jnp.zeros((slots,), jnp.int32), jnp.zeros((slots,), jnp.int32),
+                       jnp.full((slots, MAX_STOPS), -1, jnp.int32), jnp.ones((slots,), bool), jnp.ones((slots,), bool),
+                       jnp.zeros((slots,), bool))
+
+
+def host_implementation() -> str | None:
+    """The kernels for an engine that runs where it is: on a CPU host, the XLA ones directly
+    (None would trace the GPU kernels too, as platform-dependent branches: slower start-up, the
+    same program); elsewhere None (Pallas when lowered for a GPU)."""
+    return "xla" if jax.default_backend() == "cpu" else None
+
+
+# --- rows in, rows out --------------------------------------------------------------------
+
+
+def _take(x: Array, rows: Array) -> Array:
+    return x.at[rows].get(mode="clip")
+
+
+def _put(x: Array, rows: Array, value: Array, mask: Array | None = None) -> Array:
+    """x with x[rows] = value (rows out of range dropped); where mask is False, x keeps its row."""
+    if mask is not None:
+        value = jnp.where(mask.reshape(mask.shape + (1,) * (value.ndim - 1)), value, _take(x, rows))
+    return x.at[rows].set(value, mode="drop")
+
+
+def _rows_cache(state: EngineState, rows: Array, table: Array) -> Cache:
+    """The model's view of `rows`: their GDN states and lengths, and the pool with their page tables."""
+    layers = tuple(s.replace(table=table) if isinstance(s, PagedKV) else jax.tree_util.tree_map(lambda x: _take(x, rows), s)
+                   for s in state.layers)
+    return Cache(layers=layers, lengths=_take(state.lengths, rows), max_len=table.shape[1] * state_page_size(state))
+
+
+def state_page_size(state: EngineState) -> int:
+    return next(s.page_size for s in state.layers if isinstance(s, PagedKV))
+
+
+def _store_rows(state: EngineState, rows: Array, cache: Cache, mask: Array) -> EngineState:
+    """Write the rows' new GDN states and lengths back (rows where mask is False keep theirs)."""
+    layers = tuple(new.replace(table=None) if isinstance(new, PagedKV)
+                   else jax.tree_util.tree_map(lambda x, y: _put(x, rows, y, mask), old, new)
+                   for old, new in zip(state.layers, cache.layers))
+    return state.replace(layers=layers, lengths=_put(state.lengths, rows, cache.lengths, mask))
+
+
+@struct.dataclass
+class Drawn:
+    """A step's draws: tokens [R] (-1 where none was drawn) and, when a row asked, the
+    log-probability of its token and the MAX_TOP_LOGPROBS most likely ([R], [R, 20] x 2)."""
+
+    tokens: Array
+    logprob: Array
+    top_ids: Array
+    top_logprobs: Array
+
+
+def _logprobs(logits: Array, sampler: Sampler, tok: Array, want: Array):
+    """Log-probabilities from the logits the sampler used: penalties applied, then divided by the
+    temperature (1 for greedy), before any top-k / top-p / min-p cut. Zeros unless a row wants them
+    (a vocabulary-wide top-k is not free)."""
+    def compute(_):
+        sp = sampler.params
+        pen = apply_penalties(logits, sp, sampler.seen, sampler.out_counts)
+        lp = jax.nn.log_softmax(pen / jnp.where(sp.temperature > 0, sp.temperature, 1.0)[:, None], axis=-1)
+        top_lp, top_ids = jax.lax.top_k(lp, MAX_TOP_LOGPROBS)
+        return jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_lp
+
+    r = logits.shape[0]
+    zeros = (jnp.zeros((r,), jnp.float32), jnp.zeros((r, MAX_TOP_LOGPROBS), jnp.int32),
+             jnp.zeros((r, MAX_TOP_LOGPROBS), jnp.float32))
+    return jax.lax.cond(jnp.any(want), compute, lambda _: zeros, None)
+
+
+def _draw(state: EngineState, rows: Array, logits: Array, mask: Array) -> tuple[Drawn, EngineState]:
+    """Draw one token per masked row from logits [R, vocab]; it becomes the row's pending token."""
+    sampler = jax.tree_util.tree_map(lambda x: _take(x, rows), state.sampler)
+    tok, stepped = next_token(logits, sampler)
+    drawn = Drawn(jnp.where(mask, tok, -1), *_logprobs(logits, sampler, tok, mask & _take(state.want_logprobs, rows)))
+    budget = _take(state.budget, rows) - 1
+    stopped = jnp.any(tok[:, None] == _take(state.stops, rows), axis=-1) | (budget <= 0)
+    state = state.replace(
+        sampler=jax.tree_util.tree_map(lambda x, y: _put(x, rows, y, mask), state.sampler, stepped),
+        pending=_put(state.pending, rows, tok, mask), budget=_put(state.budget, rows, budget, mask),
+        done=_put(state.done, rows, stopped, mask))
+    return drawn, state
+
+
+# --- the steps ----------------------------------------------------------------------------
+
+
+def _prefill(params, state, rows, tokens, counts, table, last, cfg, implementation=None):
+    """Run a chunk of each row's prompt (tokens [R, T], counts [R] real); rows whose prompt ends
+    here (`last`) draw their first token. Returns (Drawn, done [R], state)."""
+    cache = _rows_cache(state, rows, table)
+    logits, cache = forward(params, tokens, cache, cfg, token_counts=counts, last_logits_only=True,
+                            implementation=implementation)
+    live = counts > 0
+    state = _store_rows(state, rows, cache, live)
+    state = state.replace(logits=_put(state.logits, rows, logits[:, 0], live))
+    drawn, state = _draw(state, rows, logits[:, 0], last & live)
+    return drawn, _take(state.done, rows), state
+
+
+def _decode(params, state, rows, table, cfg, implementation=None):
+    """Feed each row's pending token and draw the next. A row that is done (on the device) gets
+    its last token fed, draws nothing and goes idle, so its cache covers every token it drew.
+    Returns ((Drawn, done [R], lengths [R]), state); idle and
+    padding rows keep everything."""
+    feed = (rows < state.slots) & ~_take(state.idle, rows)
+    draw = feed & ~_take(state.done, rows)
+    cache = _rows_cache(state, rows, table)
+    logits, cache = forward(params, _take(state.pending, rows)[:, None], cache, cfg, token_counts=feed.astype(jnp.int32),
+                            implementation=implementation)
+    state = _store_rows(state, rows, cache, feed)
+    state = state.replace(logits=_put(state.logits, rows, logits[:, 0], feed),
+                          idle=_put(state.idle, rows, feed & ~draw, feed & ~draw))
+    drawn, state = _draw(state, rows, logits[:, 0], draw)
+    return (drawn, _take(state.done, rows), _take(state.lengths, rows)), state
+
+
+def _sample_first(state, rows):
+    """Rows whose logits are already there (an exact snapshot hit) draw their first token."""
+    drawn, state = _draw(state, rows, _take(state.logits, rows), rows < state.slots)
+    return drawn, _take(state.done, rows), state
+
+
+def _setup_row(state, row, gdn, logits, length, sp: SamplingParams, seed, seen, budget, stops, want_logprobs):
+    """Prepare row `row` for a new request: its GDN state (a snapshot's tuple of batch-of-one
+    GDNStates, or None for zeros), logits [vocab] (or None), length, sampling parameters (one
+    row each), seed, seen [vocab] (the prompt's tokens), budget, stops [MAX_STOPS] and whether
+    its draws report log-probabilities."""
+    rows = row[None]
+    snap = iter(gdn or ())
+    layers = []
+    for s in state.layers:
+        if isinstance(s, PagedKV):
+            layers.append(s)
+            continue
+        src = next(snap) if gdn is not None else jax.tree_util.tree_map(lambda x: jnp.zeros((1,) + x.shape[1:], x.dtype), s)
+        layers.append(jax.tree_util.tree_map(lambda x, y: _put(x, rows, y.astype(x.dtype)), s, src))
+    sampler = Sampler(sp, jax.random.PRNGKey(seed)[None], jnp.zeros((1,), jnp.int32), seen[None],
+                      jnp.zeros((1, seen.shape[0]), jnp.int32))
+    state = state.replace(
+        layers=tuple(layers), lengths=_put(state.lengths, rows, length[None]),
+        sampler=jax.tree_util.tree_map(lambda x, y: _put(x, rows, y.astype(x.dtype)), state.sampler, sampler),
+        budget=_put(state.budget, rows, budget[None]), stops=_put(state.stops, rows, stops[None]),
+        done=_put(state.done, rows, jnp.zeros((1,), bool)), idle=_put(state.idle, rows, jnp.zeros((1,), bool)),
+        want_logprobs=_put(state.want_logprobs, rows, want_logprobs[None]))
+    if logits is not None:
+        state = state.replace(logits=_put(state.logits, rows, logits[None]))
+    return state
+
+
+def _read_row(state, row):
+    """A copy of row `row`'s GDN states (a tuple of batch-of-one GDNStates) and logits [vocab]."""
+    gdn = tuple(jax.tree_util.tree_map(lambda x: jax.lax.dynamic_slice_in_dim(x, row, 1), s)
+                for s in state.layers if isinstance(s, GDNState))
+    return gdn, state.logits[row]
+
+
+def _copy_page(state, src, dst):
+    """Page `dst` := page `src`, in every attention layer (copy-on-write of a partial page)."""
+    def copy(x):
+        return x.at[dst].set(x.at[src].get(mode="clip"), mode="drop")
+
+    layers = tuple(s.replace(k=copy(s.k), v=copy(s.v)) if isinstance(s, PagedKV) else s for s in state.layers)
+    return state.replace(layers=layers)
+
+
+def _read_pages(state, ids):
+    """(k, v) of pages `ids` [n] in every attention layer: tuples of [n, S, Hkv, Dh] (persistence)."""
+    kv = [s for s in state.layers if isinstance(s, PagedKV)]
+    return tuple(s.k[ids] for s in kv), tuple(s.v[ids] for s in kv)
+
+
+def _write_pages(state, ids, ks, vs):
+    """Pages `ids` [n] := ks, vs (tuples over attention layers of [n, S, Hkv, Dh])."""
+    kv = iter(zip(ks, vs))
+    layers = []
+    for s in state.layers:
+        if isinstance(s, PagedKV):
+            k, v = next(kv)
+            s = s.replace(k=s.k.at[ids].set(k.astype(s.k.dtype)), v=s.v.at[ids].set(v.astype(s.v.dtype)))
+        layers.append(s)
+    return state.replace(layers=tuple(layers))
+
+
+_donating = functools.partial(jax.jit, donate_argnames="state")
+prefill_chunk = _donating(_prefill, static_argnames=("cfg", "implementation"))
+decode = _donating(_decode, static_argnames=("cfg", "implementation"))
+sample_first = _donating(_sample_first)
+setup_row = _donating(_setup_row)
+copy_page = _donating(_copy_page)
+write_pages = _donating(_write_pages)
+read_row = jax.jit(_read_row)
+read_pages = jax.jit(_read_pages)

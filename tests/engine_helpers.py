@@ -1,0 +1,65 @@
+"""Shared by the engine tests: one engine configuration (so every engine shares the compiled
+programs), the cold path (`generate` from scratch) and small request helpers.
+
+All shapes are pinned: every prompt is 17..32 tokens (one or two prefill chunks of 16/32
+tokens, pages of 16), and the cold path always asks for the same 16 new tokens (greedy tokens
+of a shorter request are a prefix of those).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from hybridjax.default_model import tiny_test_model
+from hybridjax.engine import Engine, GenerationRequest
+from hybridjax.generate import generate
+from hybridjax.sampling import sampling_params
+
+SLOTS, MAX_LEN, COLD_NEW = 4, 256, 16
+TIMEOUT = 300  # seconds for one request (the first ones include compilation)
+# Small pages and prefill chunks, so that prompts of 17..32 tokens span pages and chunks.
+ENGINE_KW = dict(slots=SLOTS, max_len=MAX_LEN, page_size=16, prefill_chunk=32)
+
+
+def enc(text: str) -> list[int]:
+    return tiny_test_model()[2].encode(text)
+
+
+def ids(text: str) -> list[int]:
+    """A prompt in the one prefill bucket the tests use (byte-level: one token per byte)."""
+    p = enc(text)
+    assert 17 <= len(p) <= 32, (text, len(p))
+    return p
+
+
+@functools.lru_cache(maxsize=None)
+def _cold(prompt: tuple, seed: int, temperature: float) -> tuple:
+    cfg, params, _ = tiny_test_model()
+    sp = sampling_params(1, temperature=temperature)
+    g = generate(params, cfg, [list(prompt)], max_new_tokens=COLD_NEW, max_len=MAX_LEN, seeds=[seed], sampling=sp)
+    return tuple(g.token_lists()[0])
+
+
+def cold(prompt, n: int, *, seed: int = 0, temperature: float = 0.0) -> list[int]:
+    """The first n tokens `hybridjax.generate.generate` gives for `prompt` alone, from scratch."""
+    assert n <= COLD_NEW and len(prompt) <= 32
+    return list(_cold(tuple(prompt), seed, temperature)[:n])
+
+
+def collect(handle, timeout: float = TIMEOUT):
+    """Drain a handle's events, check they agree with the handle, return the handle."""
+    events = list(handle.events(timeout=timeout))
+    assert events[-1].finish_reason is not None and events[-1].token_id is None
+    assert all(e.finish_reason is None for e in events[:-1])
+    assert [e.token_id for e in events[:-1]] == handle.token_ids
+    assert "".join(e.text for e in events) == handle.text
+    assert handle.finish_reason == events[-1].finish_reason
+    return handle
+
+
+def run(eng: Engine, prompt, max_tokens: int, **kw):
+    return collect(eng.submit(GenerationRequest(list(prompt), max_tokens=max_tokens, **kw)))
+
+
+def prefilled(eng: Engine) -> int:
+    return eng.store.counters["tokens_prefilled"]
