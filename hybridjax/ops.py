@@ -3,36 +3,58 @@
 Precision policy (declared once, here): norms, softmax, gates and all recurrent state are
 computed in float32; matmuls take the parameter dtype and accumulate in float32 (`dense`).
 The delta rule itself is chosen in `pallas_kernels.gated_delta_rule` (reference / xla /
-pallas); `delta_rule` below is the one place the model reaches it.
+pallas); `delta_rule` below is the one place the model reaches it, as `paged_attention`
+(re-exported from `pallas_kernels.paged_attention`) is for attention over the engine's pages.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
+from hybridjax import cpu_kernels
 from pallas_kernels.gated_delta_rule import chunk_gated_delta_rule
+from pallas_kernels.paged_attention import paged_attention  # noqa: F401  (the model's one way in)
 
 Array = jax.Array
 
 
-def dense(x: Array, w: Array, dtype=None) -> Array:
+def dense(x: Array, w: Array, dtype=None, transposed: bool = False) -> Array:
     """x [..., n_in] @ w [n_in, n_out], accumulated in float32, returned in `dtype` (x's).
+
+    transposed: w is [n_out, n_in] (a tied embedding as the head), read in place.
+
+    A few rows (decode) on CPU go to the streaming kernel of `hybridjax.cpu_kernels` when it is
+    built: XLA:CPU's one-row dots leave memory bandwidth unused, and its bfloat16 ones run ~20x
+    below it. More rows (prefill) stay on XLA's matmuls. The choice follows the platform the
+    computation is lowered for, so a CPU host can still lower for a GPU.
+    """
+    lead, n_in = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, n_in)
+    xla = functools.partial(_xla_dot, transposed=transposed)
+    if cpu_kernels.supports(rows.shape[0], x.dtype, w.dtype) and cpu_kernels.enabled():
+        kernel = functools.partial(cpu_kernels.matmul, transposed=transposed)
+        y = jax.lax.platform_dependent(rows, w, cpu=kernel, default=xla)
+    else:
+        y = xla(rows, w)
+    return y.astype(dtype or x.dtype).reshape(*lead, y.shape[-1])
+
+
+def _xla_dot(rows: Array, w: Array, transposed: bool = False) -> Array:
+    """rows [R, n_in] @ w -> float32 [R, n_out] with XLA's dot.
 
     Asking for a float32 result is also what puts 16-bit matmuls on XLA:CPU's fast path (bf16,
     2048 x 1024 x 8192 on the AMX dev machine: 590 GFLOP/s, against 153 with a bf16 result and
     184 in float32). That path is ~8x slower for a single row than for two, so a lone 16-bit row
-    (one-sequence decode) is padded to two.
+    is padded to two.
     """
-    lead, n_in = x.shape[:-1], x.shape[-1]
-    rows = x.reshape(-1, n_in)
-    lone = rows.shape[0] == 1 and x.dtype.itemsize == 2
+    lone = rows.shape[0] == 1 and rows.dtype.itemsize == 2
     if lone:
         rows = jnp.pad(rows, ((0, 1), (0, 0)))
-    y = jnp.dot(rows, w, preferred_element_type=jnp.float32)
-    if lone:
-        y = y[:1]
-    return y.astype(dtype or x.dtype).reshape(*lead, w.shape[-1])
+    y = jnp.dot(rows, w.T if transposed else w, preferred_element_type=jnp.float32)
+    return y[:1] if lone else y
 
 
 def rms_norm(x: Array, w: Array, eps: float) -> Array:
@@ -111,15 +133,29 @@ def attention(q: Array, k: Array, v: Array, q_pos: Array, scale: float) -> Array
     return out.reshape(b, hkv, g, t, dh).transpose(0, 3, 1, 2, 4).reshape(b, t, hq, dh)
 
 
-def write_kv(buf: Array, new: Array, starts: Array) -> Array:
+def write_kv(buf: Array, new: Array, starts: Array, valid: Array) -> Array:
     """Write new [B, T, Hkv, Dh] into buf [B, S, Hkv, Dh] at positions starts[b] + t.
 
-    Positions past the buffer (right padding of a bucketed prompt) are dropped, so capacity
-    only has to cover real tokens.
+    Pads (valid [B, T] False) and positions past the buffer are dropped, so capacity only has
+    to cover real tokens.
     """
     b, t = new.shape[:2]
     pos = starts[:, None] + jnp.arange(t, dtype=starts.dtype)  # [B, T]
+    pos = jnp.where(valid, pos, buf.shape[1])  # out of range: dropped
     return buf.at[jnp.arange(b)[:, None], pos].set(new, mode="drop")
+
+
+def write_kv_paged(pages: Array, new: Array, table: Array, starts: Array, valid: Array) -> Array:
+    """Write new [B, T, Hkv, Dh] into pages [P, S, Hkv, Dh] at each row's positions starts[b] + t,
+    through table [B, Np]. Pads and positions past a row's pages are dropped (page id P), so a
+    padding row never touches another row's pages, and full pages (before `starts`) are never
+    written: the pool's write-once rule."""
+    n_pages, size = pages.shape[:2]
+    pos = starts[:, None] + jnp.arange(new.shape[1], dtype=starts.dtype)  # [B, T]
+    slot = pos // size
+    page = jnp.take_along_axis(table, jnp.minimum(slot, table.shape[1] - 1), axis=1)
+    page = jnp.where(valid & (slot < table.shape[1]), page, n_pages)  # out of range: dropped
+    return pages.at[page, pos % size].set(new.astype(pages.dtype), mode="drop")
 
 
 def delta_rule(q, k, v, g, beta, state, implementation=None):

@@ -1,0 +1,324 @@
+"""Batch-1 decode on CPU against its memory-bandwidth bound: float32 and bfloat16 weights, with
+and without the CPU kernel (hybridjax.cpu_kernels), optionally beside llama.cpp's tg128.
+
+    python benchmarks/bench_cpu_decode.py [--quick] [--model-dir DIR] [--repeats 5]
+        [--prompt 128] [--new-tokens 128] [--modes f32-xla,f32-kernel,bf16-kernel]
+        [--llama-bench PATH --gguf F32.gguf --gguf BF16.gguf] [--json OUT]
+
+One process, one model (the random Qwen3.5 of bench_generate.py: hidden 1024, 12 layers 3:1,
+vocab 32000, untied head, 228 M params; built once into --model-dir if absent). It measures:
+
+  bound    a one-row float32 matvec over an 8192 x 8192 weight (two copies, alternated, so
+           nothing stays in cache) with XLA's dot: GB/s. The bound of a decode step is the
+           bytes it must read (every weight once; one row of the embedding) / that bandwidth.
+           The same matvec through the kernel, in float32 and bfloat16, is shown beside it.
+  decode   tok/s of the library's `hybridjax.generate.generate` (prefill + lax.while_loop
+           decode, greedy) as (N - 1) / (t(N new tokens) - t(1 new token)), per mode:
+             f32-xla      float32 weights, XLA's dots (HYBRIDJAX_CPU_KERNELS=0)
+             f32-kernel   float32 weights, the kernel for the few-row matmuls
+             bf16-kernel  bfloat16 weights, the kernel
+             bf16-xla     bfloat16 weights, XLA's dots (very slow: opt in with --modes)
+             *-kernel-1t  the kernel on one thread per call (what sharing columns buys)
+           Modes alternate round by round, so load drift hits all alike; medians are shown.
+  accuracy bfloat16 against float32 (both with the kernel), teacher-forced on float32's greedy
+           tokens: max |logit diff| / max |logit|, and how often the argmax differs (a bf16
+           near-tie flip), with the float32 top-1 / top-2 margins where it does; then free
+           running greedy: leading tokens equal.
+  llama    with --llama-bench and --gguf (repeatable): `llama-bench -p 0 -n 128 -d 128 -t 2 -r 3`,
+           run after our timings, in the same process tree, tok/s (avg +- stdev).
+
+The load average is printed before and after: on a shared machine figures are noisy, and the
+ratios within one run are what to quote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import numpy as np  # noqa: E402
+
+MODES = {  # name -> (param dtype, use the kernel, kernel threads per call: 0 = XLA's pool)
+    "f32-xla": ("float32", False, 0),
+    "f32-kernel": ("float32", True, 0),
+    "bf16-kernel": ("bfloat16", True, 0),
+    "bf16-xla": ("bfloat16", False, 0),
+    "f32-kernel-1t": ("float32", True, 1),
+    "bf16-kernel-1t": ("bfloat16", True, 1),
+}
+
+
+def loadavg() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def median_time(fn, repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+# --- the bound ------------------------------------------------------------------------------
+
+
+def matvec_bandwidth(repeats: int, size: int) -> dict[str, float]:
+    """GB/s of one-row matvecs over size x size weights: XLA float32, the kernel f32 / bf16."""
+    import jax
+    import jax.numpy as jnp
+
+    from hybridjax import cpu_kernels
+
+    rng = np.random.default_rng(0)
+    wf = [jnp.asarray(rng.standard_normal((size, size), np.float32)) for _ in range(2)]
+    x = jnp.asarray(rng.standard_normal((1, size), np.float32))
+    cases = {"xla f32": (jax.jit(lambda x, w: jnp.dot(x, w)), wf)}
+    if cpu_kernels.available():
+        wb = [w.astype(jnp.bfloat16) for w in wf]
+        cases["kernel f32"] = (jax.jit(lambda x, w: cpu_kernels.matmul(x, w)), wf)
+        cases["kernel bf16"] = (jax.jit(lambda x, w: cpu_kernels.matmul(x, w)), wb)
+    times = {k: [] for k in cases}
+    for k, (f, ws) in cases.items():
+        jax.block_until_ready(f(x, ws[0]))
+    for r in range(repeats * 4):
+        for k, (f, ws) in cases.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(x, ws[r % 2]))
+            times[k].append(time.perf_counter() - t0)
+    return {k: ws[0].nbytes / statistics.median(times[k]) / 1e9 for k, (f, ws) in cases.items()}
+
+
+def bytes_per_token(params, cfg) -> int:
+    """Every weight once, but only one row of the embedding (a gather) unless it is the head."""
+    import jax
+
+    total = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+    if params.lm_head is not None:
+        total -= params.embed.nbytes - params.embed.nbytes // cfg.vocab_size
+    return total
+
+
+# --- decode per mode ------------------------------------------------------------------------
+
+
+class Mode:
+    """generate() traced under one kernel setting: its own jit of generate's body, swapped in
+    around each call (the kernel choice is made at trace time)."""
+
+    def __init__(self, name, params, cfg, use_kernel, threads):
+        import jax
+
+        from hybridjax import generate as hg
+
+        self.name, self.params, self.cfg, self.use_kernel, self.threads = name, params, cfg, use_kernel, threads
+        self.hg = hg
+        self.gen_jit = jax.jit(functools.partial(hg._generate.__wrapped__), static_argnames=("cfg", "out_len"))
+        self.step_jit = jax.jit(functools.partial(hg._decode.__wrapped__ if hasattr(hg._decode, "__wrapped__")
+                                                  else hg._decode), static_argnames="cfg")
+
+    def _env(self):  # read when a function is first traced, so set before every call
+        os.environ["HYBRIDJAX_CPU_KERNELS"] = "1" if self.use_kernel else "0"
+        os.environ["HYBRIDJAX_CPU_THREADS"] = str(self.threads)
+
+    def generate(self, prompt, n):
+        import jax
+
+        self._env()
+        saved, self.hg._generate = self.hg._generate, self.gen_jit
+        try:
+            out = self.hg.generate(self.params, self.cfg, [prompt], max_new_tokens=n)
+            jax.block_until_ready(out)
+        finally:
+            self.hg._generate = saved
+        return out
+
+    def forced_logits(self, prompt, tokens):
+        """Logits after the prompt and after each of `tokens`, fed one by one: [len+1, vocab]."""
+        import jax.numpy as jnp
+
+        from hybridjax.cache import init_cache
+
+        self._env()
+        cache = init_cache(self.cfg, 1, len(prompt) + len(tokens) + 16, capacity=len(prompt) + len(tokens) + 16)
+        logits, cache = self.hg.prefill(self.params, np.asarray([prompt], np.int32), cache, self.cfg)
+        out = [np.asarray(logits[0])]
+        active = jnp.ones((1,), bool)
+        for t in tokens:
+            logits, cache = self.step_jit(self.params, jnp.asarray([t], jnp.int32), active, cache, cfg=self.cfg)
+            out.append(np.asarray(logits[0]))
+        return np.stack(out)
+
+
+def run_decode(a, modes: dict, prompt) -> dict:
+    n = a.new_tokens
+    for m in modes.values():  # compile both lengths
+        m.generate(prompt, n)
+        m.generate(prompt, 1)
+    times = {name: {"n": [], "one": []} for name in modes}
+    for r in range(a.repeats):
+        for name, m in modes.items():
+            times[name]["n"] += median_time(lambda: m.generate(prompt, n), 1)
+            times[name]["one"] += median_time(lambda: m.generate(prompt, 1), 1)
+        print(f"  round {r + 1}/{a.repeats} (load {loadavg()})", file=sys.stderr, flush=True)
+    out = {}
+    for name, t in times.items():
+        per_token = (statistics.median(t["n"]) - statistics.median(t["one"])) / (n - 1)
+        out[name] = {"s_per_token": per_token, "tok_s": 1 / per_token, "raw": t}
+    return out
+
+
+def accuracy(f32: Mode, bf16: Mode, prompt, n: int) -> dict:
+    ref_tokens = f32.generate(prompt, n).token_lists()[0]
+    bf_tokens = bf16.generate(prompt, n).token_lists()[0]
+    lf = f32.forced_logits(prompt, ref_tokens[:-1])
+    lb = bf16.forced_logits(prompt, ref_tokens[:-1])
+    top2 = np.sort(lf, axis=-1)[:, -2:]
+    margin = top2[:, 1] - top2[:, 0]
+    flips = np.nonzero(lf.argmax(-1) != lb.argmax(-1))[0]
+    err = np.abs(lf - lb).max(-1) / np.abs(lf).max(-1)
+    lead = next((i for i, (x, y) in enumerate(zip(ref_tokens, bf_tokens)) if x != y), min(len(ref_tokens), len(bf_tokens)))
+    return {
+        "max_rel_err": float(err.max()), "median_rel_err": float(np.median(err)),
+        "max_abs_err": float(np.abs(lf - lb).max()), "logit_range": float(np.abs(lf).max()),
+        "steps": len(lf), "flips": len(flips), "flip_margins": margin[flips].tolist(),
+        "median_margin": float(np.median(margin)), "free_running_equal_prefix": lead, "n": n,
+    }
+
+
+# --- llama.cpp ------------------------------------------------------------------------------
+
+
+def llama_bench(binary: str, gguf: str, threads: int, n: int, depth: int) -> dict:
+    """tg<n> after a <depth>-token context (-d), as our decode runs after the prompt."""
+    cmd = [binary, "-m", gguf, "-p", "0", "-n", str(n), "-d", str(depth), "-t", str(threads), "-r", "3", "-o", "json"]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    rows = json.loads(res.stdout)
+    row = next(r for r in rows if r.get("n_gen") == n)
+    return {"gguf": gguf, "model_type": row.get("model_type", ""),
+            "tok_s": row["avg_ts"], "stdev": row.get("stddev_ts", 0.0), "cmd": " ".join(cmd)}
+
+
+# --- main -----------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="32 new tokens after 32, 2 rounds, 4096^2 matvec")
+    ap.add_argument("--model-dir", default=None, help="reuse / keep the HF model here (default: a temp dir)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--modes", default="f32-xla,f32-kernel,bf16-kernel")
+    ap.add_argument("--llama-bench", help="path of llama.cpp's llama-bench")
+    ap.add_argument("--gguf", action="append", default=[], help="GGUF of the same weights (repeatable)")
+    ap.add_argument("--threads", type=int, default=2, help="llama-bench threads")
+    ap.add_argument("--json", help="also write every figure here")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.prompt, a.new_tokens, a.repeats = 32, 32, 2
+    modes_wanted = [m.strip() for m in a.modes.split(",") if m.strip()]
+    bad = [m for m in modes_wanted if m not in MODES]
+    if bad or a.new_tokens < 2 or (a.llama_bench and not a.gguf):
+        print(f"error: modes from {list(MODES)} (got {bad}); --new-tokens >= 2; --gguf with --llama-bench",
+              file=sys.stderr)
+        return 2
+
+    import tempfile
+
+    import jax
+
+    import bench_generate
+    import hybridjax
+    from hybridjax import cpu_kernels
+
+    load0 = loadavg()
+    tmp = tempfile.TemporaryDirectory(prefix="bench_cpu_decode_")
+    model_dir = Path(a.model_dir or tmp.name)
+    if not (model_dir / "config.json").is_file():
+        model_dir.mkdir(parents=True, exist_ok=True)
+        print(f"building the model in {model_dir} ...", file=sys.stderr, flush=True)
+        bench_generate.build_model(model_dir)
+    if any(MODES[m][1] for m in modes_wanted) and not cpu_kernels.available():
+        print(f"error: {cpu_kernels.load_error()}", file=sys.stderr)
+        return 1
+
+    print(f"matvec bandwidth (load {loadavg()}) ...", file=sys.stderr, flush=True)
+    bw = matvec_bandwidth(a.repeats, 4096 if a.quick else 8192)
+
+    loaded = {}
+    modes = {}
+    for name in modes_wanted:
+        dtype, use_kernel, threads = MODES[name]
+        if dtype not in loaded:
+            loaded[dtype] = hybridjax.load_hf(model_dir, dtype=dtype)
+            jax.block_until_ready(loaded[dtype][1])
+        cfg, params = loaded[dtype]
+        modes[name] = Mode(name, params, cfg, use_kernel, threads)
+    prompt = bench_generate.prompt_tokens(a.prompt).tolist()
+    print(f"decode, {len(modes)} modes x {a.repeats} rounds ...", file=sys.stderr, flush=True)
+    dec = run_decode(a, modes, prompt)
+    acc = None
+    if "f32-kernel" in modes and "bf16-kernel" in modes:
+        acc = accuracy(modes["f32-kernel"], modes["bf16-kernel"], prompt, a.new_tokens)
+    llama = [llama_bench(a.llama_bench, g, a.threads, a.new_tokens, a.prompt) for g in a.gguf] if a.llama_bench else []
+    load1 = loadavg()
+
+    cfg = next(iter(loaded.values()))[0]
+    wbytes = {d: bytes_per_token(p, c) for d, (c, p) in loaded.items()}
+    bound_bw = bw["xla f32"]
+    f32_bytes = wbytes.get("float32") or 2 * wbytes["bfloat16"]
+    bound_tok_s = bound_bw * 1e9 / f32_bytes
+    print(f"\nhybridjax decode on CPU (jax {jax.__version__}, {os.cpu_count()} cores, kernel path "
+          f"{cpu_kernels.best_isa() if cpu_kernels.available() else 'unavailable'}); batch 1, "
+          f"{a.new_tokens} greedy tokens after a {a.prompt}-token prompt, median of {a.repeats}; "
+          f"load average {load0} -> {load1}\n")
+    print("one-row matvec, " + ", ".join(f"{k}: {v:.1f} GB/s" for k, v in bw.items()))
+    print(f"bytes read per token: float32 {f32_bytes / 1e6:.1f} MB"
+          + (f", bfloat16 {wbytes['bfloat16'] / 1e6:.1f} MB" if "bfloat16" in wbytes else ""))
+    print(f"bound (float32 bytes / XLA float32 matvec bandwidth): {bound_tok_s:.1f} tok/s "
+          f"({1e3 / bound_tok_s:.2f} ms/token)\n")
+    print("| mode | tok/s | ms/token | GB/s read | x bound (f32 tok/s) | x f32-xla |")
+    print("|---|---:|---:|---:|---:|---:|")
+    base = dec.get("f32-xla", {}).get("tok_s")
+    for name, d in dec.items():
+        wb = wbytes[MODES[name][0]]
+        rel = f"{d['tok_s'] / base:.2f}x" if base else "-"
+        print(f"| {name} | {d['tok_s']:.1f} | {1e3 * d['s_per_token']:.2f} | {wb * d['tok_s'] / 1e9:.1f} | "
+              f"{d['tok_s'] / bound_tok_s:.2f} | {rel} |")
+    for r in llama:
+        rel = f"{r['tok_s'] / base:.2f}x" if base else "-"
+        print(f"| llama.cpp {Path(r['gguf']).name} | {r['tok_s']:.1f} +- {r['stdev']:.1f} | "
+              f"{1e3 / r['tok_s']:.2f} | - | {r['tok_s'] / bound_tok_s:.2f} | {rel} |")
+    if acc:
+        print(f"\nbfloat16 vs float32 logits (kernel, teacher-forced on float32's greedy tokens, {acc['steps']} "
+              f"steps): max |diff| {acc['max_abs_err']:.3f} of max |logit| {acc['logit_range']:.2f} "
+              f"(rel {acc['max_rel_err']:.4f}, median rel {acc['median_rel_err']:.4f}); argmax differs at "
+              f"{acc['flips']}/{acc['steps']} steps, float32 top-1/top-2 margins there: "
+              f"{', '.join(f'{m:.3f}' for m in acc['flip_margins']) or '-'} (median margin {acc['median_margin']:.3f}); "
+              f"free-running greedy: {acc['free_running_equal_prefix']}/{acc['n']} leading tokens equal")
+    if max(os.getloadavg()) > (os.cpu_count() or 1):
+        print("WARNING: the load average exceeded the core count: other processes shared the CPU; "
+              "re-run on an idle machine before quoting absolute figures.")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"bandwidth": bw, "bytes": wbytes, "bound_tok_s": bound_tok_s,
+                                            "decode": dec, "accuracy": acc, "llama": llama,
+                                            "load": [load0, load1]}, indent=1))
+    tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""Where a batch-1 decode step's time goes, from a jax.profiler trace of the jitted step.
+
+    python benchmarks/profile_decode.py [--model-dir DIR] [--dtype float32] [--kernels 0|1]
+                                        [--steps 20] [--capacity 256] [--top 15]
+
+Loads the model of bench_generate.py (built into --model-dir if absent), prefills 128 tokens,
+then traces `--steps` one-token steps of hybridjax.generate's decode step (donating, as the
+engine and `stream` run it) and adds up, per HLO op of the compiled step, the time the XLA
+threads spent in it. Ops are grouped:
+
+  projections <name>   the matmuls of one kind of weight (XLA dot or the CPU kernel's call)
+  GDN state            the delta-rule step (ops inside its scan: read, decay, update, write)
+  attention            scores and values over the KV cache (the dots on the cache, their
+                       transposes and reshapes)
+  copies               copy ops (cache leaves XLA could not update in place)
+  other fusions        norms, gates, conv, RoPE, residuals, casts
+  outside ops          wall time of the step minus the ops' time (dispatch, thunk scheduling,
+                       waiting threads)
+
+The sampler is not in the step: its time (greedy, one row) is measured on its own. Under load
+the op times stretch (a descheduled thread still counts): compare shares, not milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import glob
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def categorize(kind: str, line: str) -> str:
+    weight = re.search(r"%params_(?:layers_\d+__)?(\w+?)(?:\.\d+)?[,)]", line)
+    if kind in ("dot", "custom-call") and weight:
+        return "projections " + weight.group(1).replace("mixer_", "").replace("ffn_", "mlp ")
+    meta = re.search(r'op_name="([^"]*)"', line)
+    name = meta.group(1) if meta else ""
+    if "while" in name:
+        return "GDN state (delta rule step)"
+    if kind == "copy" or name.endswith("copy"):
+        return "copies"
+    if kind == "dot" or "ynn_fusion" in line or re.search(r"f32\[\d+,\d+,\d+,128\]", line) and "transpose" in name:
+        return "attention over the cache"
+    return "other fusions"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model-dir", default="/tmp/bench_cpu_decode_model")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--kernels", default="1", choices=("0", "1"), help="HYBRIDJAX_CPU_KERNELS")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--capacity", type=int, default=256, help="KV cache capacity (tokens)")
+    ap.add_argument("--top", type=int, default=15, help="print the slowest ops too")
+    a = ap.parse_args(argv)
+    os.environ["HYBRIDJAX_CPU_KERNELS"] = a.kernels
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import bench_generate
+    import hybridjax
+    from hybridjax import generate as hg
+    from hybridjax.cache import init_cache
+
+    model_dir = Path(a.model_dir)
+    if not (model_dir / "config.json").is_file():
+        model_dir.mkdir(parents=True, exist_ok=True)
+        bench_generate.build_model(model_dir)
+    cfg, params = hybridjax.load_hf(model_dir, dtype=a.dtype)
+    prompt = bench_generate.prompt_tokens(128)[None]
+    cache = init_cache(cfg, 1, a.capacity, capacity=a.capacity)
+    logits, cache = hg.prefill(params, prompt, cache, cfg)
+    tok = jnp.argmax(logits, -1).astype(jnp.int32)
+    active = jnp.ones((1,), bool)
+    step = jax.jit(functools.partial(hg._decode, cfg=cfg), donate_argnames="cache")
+    for _ in range(3):
+        logits, cache = step(params, tok, active, cache)
+    jax.block_until_ready(logits)
+    hlo = step.lower(params, tok, active, cache).compile().as_text()
+    ops = {}
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (\S+) ([\w\-]+)\(", line)
+        if m:
+            ops[m.group(1)] = (m.group(3), line.strip())
+
+    # the sampler on its own (greedy, no penalties): what generate adds per token
+    sampler = hg.init_sampler(hg.sampling_params(1), [0], cfg.vocab_size)
+    nt = jax.jit(hg.next_token)
+    jax.block_until_ready(nt(logits, sampler))
+    t0 = time.perf_counter()
+    for _ in range(a.steps):
+        t, sampler = nt(logits, sampler)
+    jax.block_until_ready(t)
+    sampler_ms = (time.perf_counter() - t0) / a.steps * 1e3
+
+    with tempfile.TemporaryDirectory() as d:
+        load0 = os.getloadavg()[0]
+        jax.profiler.start_trace(d)
+        t0 = time.perf_counter()
+        for _ in range(a.steps):
+            logits, cache = step(params, tok, active, cache)
+            jax.block_until_ready(logits)
+        wall = (time.perf_counter() - t0) / a.steps
+        jax.profiler.stop_trace()
+        trace = sorted(glob.glob(d + "/**/*.xplane.pb", recursive=True), key=os.path.getmtime)[-1]
+        prof = jax.profiler.ProfileData.from_file(trace)
+    per_op = collections.Counter()
+    for plane in prof.planes:
+        for line in plane.lines:
+            if "XLA" in line.name:
+                for ev in line.events:
+                    if ev.name in ops:
+                        per_op[ev.name] += ev.duration_ns / a.steps / 1e6  # ms per step
+    groups = collections.Counter()
+    for name, ms in per_op.items():
+        groups[categorize(*ops[name])] += ms
+    groups["outside ops"] = max(wall * 1e3 - sum(per_op.values()), 0.0)
+    total = sum(groups.values())
+    print(f"decode step, {a.dtype}, kernels={a.kernels}, capacity {a.capacity}: wall {wall * 1e3:.2f} ms/step "
+          f"(ops {sum(per_op.values()):.2f} ms); 1-min load {load0:.2f} -> {os.getloadavg()[0]:.2f}")
+    print("| group | ms/step | share |\n|---|---:|---:|")
+    for g, ms in groups.most_common():
+        print(f"| {g} | {ms:.2f} | {100 * ms / total:.1f}% |")
+    print(f"\nsampler (greedy, 1 row, its own jit call): {sampler_ms:.3f} ms")
+    print(f"\nslowest {a.top} ops:")
+    for name, ms in per_op.most_common(a.top):
+        print(f"  {ms:7.3f} ms  {ops[name][1][:160]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""CPU kernels called through XLA's FFI: the small-row matmul that decode runs on.
+
+    y = matmul(x, w)              # x [..., R, K] float32 | bfloat16; w [K, N] float32 | bfloat16
+    y = matmul(x, q, scale)       # q [K, N] int8, scale [N] float32: y = (x @ q) * scale
+    y = matmul(x, e, transposed=True)   # e [N, K]: y = x @ e.T (a tied embedding as the head)
+                                  # y [..., R, N] float32, accumulated in float32
+
+A decode step reads every weight once per token, so it is bound by memory bandwidth, and
+XLA:CPU's one-row dots reach only part of it (bfloat16 ones ~2 GB/s: DESIGN.md, Known traps).
+The kernel (matmul.cc) streams the weight in hybridjax's own `[in, out]` layout, so nothing is
+packed at load time and prefill keeps reading the same arrays with XLA's matmuls. Its paths,
+picked from cpuid at run time: "avx512bf16" (vdpbf16ps, bfloat16 weights), "avx512", "avx2",
+"scalar". Output columns are shared out over XLA's intra-op threads.
+
+The extension is a small C++ library built when the package is installed (setup.py, against
+`jax.ffi.include_dir()`). If it is missing or fails to load, `available()` is False, a
+warning is logged once when a caller first asks for it, and `hybridjax.ops.dense` keeps
+XLA's dot.
+
+Environment (read at trace time: call `jax.clear_caches()` after changing them in-process):
+  HYBRIDJAX_CPU_KERNELS=0     never use the kernel in `dense`;
+  HYBRIDJAX_CPU_ISA=NAME      cap the path (scalar | avx2 | avx512 | avx512bf16), e.g. to test
+                              a fallback on a CPU that has more;
+  HYBRIDJAX_CPU_THREADS=N     use at most N threads per call (default: XLA's pool).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.machinery
+import logging
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+ISAS = ("scalar", "avx2", "avx512", "avx512bf16")  # in the kernel's numbering, 0..3
+TARGET = "hybridjax_cpu_matmul"
+# Rows up to which `dense` prefers the kernel (the engine's decode slots); prefill, with more
+# rows, keeps XLA's matmuls, which are compute-bound there and fast.
+MAX_ROWS = 8
+# Output columns per work item (rounded to whole 32-column chunks); 0: the kernel picks about
+# two per thread, at least 512 (long row segments stream best).
+TILE_COLS = 0
+WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)
+
+
+def _library_path() -> Path | None:
+    here = Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = here / f"_matmul{suffix}"
+        if path.is_file():
+            return path
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    """(library, None) once registered with XLA, or (None, why not)."""
+    path = _library_path()
+    if path is None:
+        return None, (
+            f"the C++ extension is not built (no _matmul*.so in {Path(__file__).parent}); "
+            "reinstall the package with a C++17 compiler present, or build it in place with "
+            "`python setup.py build_ext --inplace`"
+        )
+    try:
+        lib = ctypes.CDLL(str(path))
+        lib.HjBestIsa.restype = ctypes.c_int
+        lib.HjHelperItems.restype = ctypes.c_int64
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.HjMatmul), platform="cpu")
+    except (OSError, AttributeError, RuntimeError, ValueError) as e:
+        return None, f"the C++ extension {path.name} failed to load: {e}"
+    return lib, None
+
+
+def available() -> bool:
+    """True when the extension is built, loaded and registered with XLA."""
+    return _load()[0] is not None
+
+
+def load_error() -> str | None:
+    """Why the extension is unavailable, or None."""
+    return _load()[1]
+
+
+@functools.lru_cache(maxsize=None)
+def warn_unavailable() -> None:
+    """Log, once per process, that decode falls back to XLA's dots."""
+    log.warning("hybridjax CPU kernels unavailable, decode uses XLA's dots (slower): %s", load_error())
+
+
+def best_isa() -> str:
+    """The best path this CPU supports (the kernel's own cpuid check)."""
+    lib = _load()[0]
+    if lib is None:
+        raise RuntimeError(load_error())
+    return ISAS[lib.HjBestIsa()]
+
+
+def helper_items() -> int:
+    """Work items run so far by helper threads of XLA's pool (process-wide; for tests)."""
+    lib = _load()[0]
+    if lib is None:
+        raise RuntimeError(load_error())
+    return int(lib.HjHelperItems())
+
+
+def enabled() -> bool:
+    """Whether `dense` may use the kernel: built, and not switched off by HYBRIDJAX_CPU_KERNELS=0."""
+    if os.environ.get("HYBRIDJAX_CPU_KERNELS", "1").strip().lower() in ("0", "false", "off", "no"):
+        return False
+    if not available():
+        warn_unavailable()
+        return False
+    return True
+
+
+def supports(rows: int, x_dtype, w_dtype) -> bool:
+    """Whether `dense` should send rows of x @ w here: few rows, dtypes the kernel takes."""
+    return (
+        rows <= MAX_ROWS
+        and jnp.dtype(x_dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+        and jnp.dtype(w_dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+    )
+
+
+def _isa_code(isa: str | None) -> int:
+    isa = isa or os.environ.get("HYBRIDJAX_CPU_ISA") or None
+    if isa is None:
+        return -1  # the best the CPU has
+    if isa not in ISAS:
+        raise ValueError(f"unknown CPU kernel path {isa!r}; valid: {', '.join(ISAS)}")
+    return ISAS.index(isa)
+
+
+def _call(x, w, scale, isa, max_threads, tile_cols, transposed):
+    out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[-2] if transposed else w.shape[-1],), jnp.float32)
+    # expand_dims: a vmapped operand arrives with a leading batch axis, an unbatched one with
+    # a leading 1; the kernel broadcasts size-1 axes and folds a shared weight's rows together.
+    call = jax.ffi.ffi_call(TARGET, out, vmap_method="expand_dims")
+    args = (x, w) if scale is None else (x, w, scale)
+    return call(*args, isa=np.int64(isa), max_threads=np.int64(max_threads), tile_cols=np.int64(tile_cols),
+                transposed=bool(transposed))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5, 6))
+def _matmul(x, w, scale, isa, max_threads, tile_cols, transposed):
+    return _call(x, w, scale, isa, max_threads, tile_cols, transposed)
+
+
+@_matmul.defjvp
+def _matmul_jvp(isa, max_threads, tile_cols, transposed, primals, tangents):
+    # Linear in x and w: the tangent goes through XLA's dot (so it transposes for grad).
+    x, w, scale = primals
+    dx, dw, dscale = tangents
+    y = _matmul(x, w, scale, isa, max_threads, tile_cols, transposed)
+
+    def as_kn(a):  # [.., K, N] float32
+        a = a.astype(jnp.float32)
+        return jnp.swapaxes(a, -1, -2) if transposed else a
+
+    f32 = jnp.float32
+    if w.dtype == jnp.int8:  # q carries no tangent; scale does
+        dy = jnp.matmul(dx.astype(f32), as_kn(w) * scale) + jnp.matmul(x.astype(f32), as_kn(w)) * dscale
+    else:
+        dy = jnp.matmul(dx.astype(f32), as_kn(w)) + jnp.matmul(x.astype(f32), as_kn(dw))
+    return y, dy
+
+
+def matmul(x, w, scale=None, *, transposed: bool = False, isa: str | None = None,
+           max_threads: int | None = None, tile_cols: int = TILE_COLS):
+    """x [..., R, K] (float32 | bfloat16) @ w [K, N] -> [..., R, N] float32, on the CPU kernel.
+
+    w is float32, bfloat16, or int8 with `scale` [N] float32 (y = (x @ w) * scale).
+    transposed: w is [N, K] and y = x @ w.T, read in place (a tied embedding as the head).
+    isa: cap the path ("scalar", "avx2", "avx512", "avx512bf16"; default HYBRIDJAX_CPU_ISA or
+    the best this CPU has); asking for more than the CPU has fails at run time.
+    max_threads: threads per call (default HYBRIDJAX_CPU_THREADS or XLA's pool; 0 = pool).
+    tile_cols: output columns per work item (0: about two per thread; tests use small ones).
+    Works under jit, vmap (any operand) and inside loops; only lowers for CPU.
+    """
+    if not available():
+        raise RuntimeError(load_error())
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    k_axis, n_axis = (1, 0) if transposed else (0, 1)
+    if x.ndim < 2 or w.ndim != 2 or x.shape[-1] != w.shape[k_axis]:
+        want = "[N, K] (transposed)" if transposed else "[K, N]"
+        raise ValueError(f"matmul: x [..., R, K] @ w {want}, got {x.shape} and {w.shape}")
+    if x.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"matmul: x must be float32 or bfloat16, got {x.dtype}")
+    if w.dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"matmul: w must be float32, bfloat16 or int8, got {w.dtype}")
+    if (w.dtype == jnp.int8) != (scale is not None):
+        raise ValueError("matmul: int8 weights need a per-column scale [N]; other dtypes take none")
+    if scale is not None:
+        scale = jnp.asarray(scale, jnp.float32)
+        if scale.shape != (w.shape[n_axis],):
+            raise ValueError(f"matmul: scale must be [N] = [{w.shape[n_axis]}], got {scale.shape}")
+        scale = scale[None]  # [1, N]: a row of y's [R, N], so every operand has y's rank
+    if max_threads is None:
+        max_threads = int(os.environ.get("HYBRIDJAX_CPU_THREADS", "0") or 0)
+    lead = x.shape[:-2]
+    w = w.reshape((1,) * len(lead) + w.shape)  # [1.., K, N]: same rank as x
+    if scale is not None:
+        scale = scale.reshape((1,) * len(lead) + scale.shape)
+    return _matmul(x, w, scale, _isa_code(isa), int(max_threads), int(tile_cols), bool(transposed))
+
+
+def quantize_int8(w):
+    """Weight-only int8 with one scale per output column: w [K, N] -> (q int8 [K, N], scale [N]).
+
+    scale = max |w[:, n]| / 127, q = round(w / scale); columns of zeros get scale 1."""
+    w = jnp.asarray(w, jnp.float32)
+    amax = jnp.max(jnp.abs(w), axis=0)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    q = jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8)
+    return q, scale

@@ -1,0 +1,34 @@
+"""Builds the CPU kernels' C++ extension (hybridjax/cpu_kernels/matmul.cc); metadata is in
+pyproject.toml. The XLA FFI headers come from the installed jaxlib (`jax.ffi.include_dir()`),
+so jax must be importable while building (a build requirement in pyproject.toml).
+
+The extension is optional: if it fails to build, the install still succeeds and the model runs
+on XLA's dots (hybridjax.cpu_kernels logs why once); its tests then fail, so CI notices.
+"""
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+
+class BuildWithJaxHeaders(build_ext):
+    def build_extensions(self):
+        import jax.ffi  # only now: a plain `setup.py --version` needs no jax
+
+        for ext in self.extensions:  # -isystem: the headers' own warnings are not ours
+            ext.extra_compile_args += ["-isystem", jax.ffi.include_dir()]
+        super().build_extensions()
+
+
+# A plain shared library that Python loads with ctypes (no Python C API inside). No -march:
+# the kernel picks AVX-512 / AVX2 code at run time from cpuid, so one build runs on any x86-64.
+matmul = Extension(
+    "hybridjax.cpu_kernels._matmul",
+    sources=["hybridjax/cpu_kernels/matmul.cc"],
+    language="c++",
+    # GCC 12 flags its own _mm512_undefined_* intrinsics as uninitialized at -O3.
+    extra_compile_args=["-std=c++17", "-O3", "-fvisibility=hidden", "-Wno-uninitialized",
+                        "-Wno-maybe-uninitialized"],
+    optional=True,
+)
+
+setup(ext_modules=[matmul], cmdclass={"build_ext": BuildWithJaxHeaders})

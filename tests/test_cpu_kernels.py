@@ -1,0 +1,309 @@
+"""The CPU small-row matmul (hybridjax.cpu_kernels) against jnp.dot, on every path this CPU has,
+and the model's decode with the kernel against without it.
+
+Tolerances. The kernel adds each product to a float32 sum, rounding each time, so against the
+exact sum its error is at most n * 2^-24 * (|x| @ |w|) (recursive summation of n terms; n = K,
+or 2K on the avx512bf16 path with a float32 x, which adds hi and lo products separately), and
+the float32 reference `jnp.dot(..., precision=HIGHEST)` carries up to K * 2^-24 * (|x| @ |w|)
+more. That split writes x as bf16 hi + bf16 lo, exact to 2^-16 relatively (bf16 keeps 8
+significant bits, twice): another 2^-16 * (|x| @ |w|). Measured errors are far below.
+
+If the extension is not built these tests FAIL (CI has a compiler, so a missing build is a
+bug); set HYBRIDJAX_ALLOW_NO_CPU_KERNELS=1 to skip them on a machine that truly has none.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hybridjax
+from hybridjax import cpu_kernels, ops
+from hybridjax.generate import generate
+
+U32 = 2.0**-24  # float32 unit roundoff
+SPLIT = 2.0**-16  # how well bf16 hi + lo represents a float32 x
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _extension_built():
+    if not cpu_kernels.available():
+        msg = f"CPU kernel extension unavailable: {cpu_kernels.load_error()}"
+        if os.environ.get("HYBRIDJAX_ALLOW_NO_CPU_KERNELS") == "1":
+            pytest.skip(msg)
+        pytest.fail(msg + " (set HYBRIDJAX_ALLOW_NO_CPU_KERNELS=1 only on a machine without a C++ compiler)")
+
+
+def cpu_flags() -> set[str]:
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+def paths_here() -> list[str]:
+    return list(cpu_kernels.ISAS[: cpu_kernels.ISAS.index(cpu_kernels.best_isa()) + 1])
+
+
+def need(isa: str) -> None:
+    if isa not in paths_here():  # a hardware fact, not a missing build
+        pytest.skip(f"this CPU has no {isa} (best: {cpu_kernels.best_isa()})")
+
+
+def make_w(rng, k, n, wdtype, transposed=False):
+    """(w as the kernel takes it, scale or None, the same weight as float32 [K, N])."""
+    if wdtype == "int8":
+        q, scale = cpu_kernels.quantize_int8(rng.standard_normal((k, n)))
+        dense = q.astype(jnp.float32) * scale
+        return (q.T if transposed else q), scale, dense
+    w = jnp.asarray(rng.standard_normal((n, k) if transposed else (k, n)), wdtype)
+    wf = w.astype(jnp.float32)
+    return w, None, (wf.T if transposed else wf)
+
+
+def assert_close(y, x, w_kn, split: bool):
+    """y ~ x @ w_kn (batched like jnp.matmul) against XLA in float32, within the bound above."""
+    xf = jnp.asarray(x, jnp.float32)
+    ref = np.asarray(jnp.matmul(xf, w_kn, precision=jax.lax.Precision.HIGHEST))
+    scale = np.asarray(jnp.matmul(jnp.abs(xf), jnp.abs(w_kn), precision=jax.lax.Precision.HIGHEST))
+    k = xf.shape[-1]
+    terms = 2 * k if split else k
+    bound = ((terms + k) * U32 + (SPLIT if split else 0.0)) * scale + 1e-30
+    y = np.asarray(y)
+    assert y.shape == ref.shape and y.dtype == np.float32
+    worst = float(np.max(np.abs(y - ref) / bound))
+    assert worst <= 1.0, f"error {worst:.2f}x the bound"
+
+
+# rows 1..8 against sizes that are no multiple of any vector width (8, 16, 32 lanes)
+SHAPES = [(1, 1, 1), (1, 7, 5), (2, 33, 47), (3, 130, 257), (4, 64, 16), (5, 1023, 301), (6, 2, 100),
+          (7, 100, 31), (8, 257, 65)]
+
+
+@pytest.mark.parametrize("isa", cpu_kernels.ISAS)
+@pytest.mark.parametrize("wdtype", ["float32", "bfloat16", "int8"])
+def test_matches_jnp_dot_on_awkward_shapes(isa, wdtype):
+    need(isa)
+    rng = np.random.default_rng(0)
+    f = jax.jit(functools.partial(cpu_kernels.matmul, isa=isa, tile_cols=64))  # several tiles
+    for r, k, n in SHAPES:
+        w, scale, w_kn = make_w(rng, k, n, wdtype)
+        for xdtype in ("float32", "bfloat16"):
+            x = jnp.asarray(rng.standard_normal((r, k)), xdtype)
+            split = isa == "avx512bf16" and wdtype == "bfloat16" and xdtype == "float32"
+            assert_close(f(x, w, scale), x, w_kn, split)
+
+
+@pytest.mark.parametrize("isa", cpu_kernels.ISAS)
+@pytest.mark.parametrize("wdtype", ["float32", "bfloat16", "int8"])
+def test_transposed_weight(isa, wdtype):
+    """w [N, K] read in place (the tied head): equals x @ w.T."""
+    need(isa)
+    rng = np.random.default_rng(1)
+    f = jax.jit(functools.partial(cpu_kernels.matmul, transposed=True, isa=isa, tile_cols=64))
+    for r, k, n in [(1, 7, 5), (3, 33, 130), (8, 1023, 70), (2, 64, 1)]:
+        w, scale, w_kn = make_w(rng, k, n, wdtype, transposed=True)
+        for xdtype in ("float32", "bfloat16"):
+            x = jnp.asarray(rng.standard_normal((r, k)), xdtype)
+            split = isa == "avx512bf16" and wdtype == "bfloat16" and xdtype == "float32"
+            assert_close(f(x, w, scale), x, w_kn, split)
+
+
+def test_the_best_path_follows_the_cpu_flags():
+    """cpuid in the kernel agrees with what the kernel reports to /proc/cpuinfo (Linux, x86)."""
+    flags = cpu_flags()
+    if not flags or "fpu" not in flags:
+        pytest.skip("no x86 /proc/cpuinfo")
+    want = ("avx512bf16" if {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= flags
+            else "avx512" if {"avx512f", "avx512bw", "avx512vl"} <= flags
+            else "avx2" if {"avx2", "fma"} <= flags else "scalar")
+    assert cpu_kernels.best_isa() == want
+
+
+def test_rows_are_independent_of_the_batch_bitwise():
+    """A row's result does not depend on the other rows (the engine's slots): same order of
+    operations for every row count, on every path."""
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((8, 300)), jnp.float32)
+    for wdtype in ("float32", "bfloat16"):
+        w = jnp.asarray(rng.standard_normal((300, 200)), wdtype)
+        for isa in paths_here():
+            full = np.asarray(cpu_kernels.matmul(x, w, isa=isa))
+            for rows in (1, 3, 5):
+                part = np.asarray(cpu_kernels.matmul(x[:rows], w, isa=isa))
+                np.testing.assert_array_equal(part, full[:rows], err_msg=f"{wdtype} {isa} {rows}")
+
+
+def test_vmap_over_x_w_both_and_nested():
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((4, 3, 40)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((40, 70)), jnp.bfloat16)
+    ws = jnp.asarray(rng.standard_normal((4, 40, 70)), jnp.bfloat16)
+    f = cpu_kernels.matmul
+    wf, wsf = w.astype(jnp.float32), ws.astype(jnp.float32)
+    split = cpu_kernels.best_isa() == "avx512bf16"
+    assert_close(jax.vmap(f, (0, None))(x, w), x, wf, split)
+    assert_close(jax.vmap(f, (None, 0))(x[0], ws), jnp.broadcast_to(x[0], (4, 3, 40)), wsf, split)
+    assert_close(jax.vmap(f)(x, ws), x, wsf, split)
+    nested = jax.jit(jax.vmap(jax.vmap(f, (0, None)), (0, None)))(x[:, :, None], w)  # [4, 3, 1, 70]
+    assert_close(nested[:, :, 0], x, wf, split)
+    q, scale = cpu_kernels.quantize_int8(rng.standard_normal((40, 70)))
+    scales = jnp.stack([scale * (i + 1) for i in range(4)])
+    y = jax.vmap(lambda a, s: f(a, q, s))(x, scales)  # batched scale, shared q
+    assert_close(y, x, q.astype(jnp.float32)[None] * scales[:, None], False)
+
+
+def test_inside_while_loop_and_grad():
+    rng = np.random.default_rng(4)
+    w = jnp.asarray(rng.standard_normal((40, 40)) * 0.2, jnp.float32)
+    x0 = jnp.asarray(rng.standard_normal((2, 40)), jnp.float32)
+
+    def run(mm):
+        body = lambda c: (c[0] + 1, jnp.tanh(mm(c[1], w)))  # noqa: E731
+        return jax.jit(lambda v: jax.lax.while_loop(lambda c: c[0] < 5, body, (0, v))[1])(x0)
+
+    ours = run(cpu_kernels.matmul)
+    ref = run(lambda a, b: jnp.dot(a, b, precision=jax.lax.Precision.HIGHEST))
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=1e-5, atol=1e-6)
+    # custom_jvp: gradients go through XLA's dot
+    loss = lambda mm: lambda a, b: jnp.sum(jnp.sin(mm(a, b)))  # noqa: E731
+    g = jax.grad(loss(cpu_kernels.matmul), (0, 1))(x0, w)
+    g_ref = jax.grad(loss(lambda a, b: jnp.dot(a, b, precision=jax.lax.Precision.HIGHEST)), (0, 1))(x0, w)
+    for a, b in zip(g, g_ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_columns_are_shared_with_the_pool_threads():
+    """With max_threads=1 no helper runs; by default XLA's pool threads take tiles too (on a
+    loaded machine a helper may start late and find no work, so allow many tries)."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core")
+    x = jnp.ones((1, 1024), jnp.float32)
+    w = jnp.ones((1024, 4096), jnp.bfloat16)  # 8 MB, 8 tiles
+    one = jax.jit(functools.partial(cpu_kernels.matmul, max_threads=1))
+    pool = jax.jit(cpu_kernels.matmul)
+    jax.block_until_ready((one(x, w), pool(x, w)))
+    before = cpu_kernels.helper_items()
+    for _ in range(5):
+        np.testing.assert_array_equal(np.asarray(one(x, w)), np.full((1, 4096), 1024.0, np.float32))
+    assert cpu_kernels.helper_items() == before
+    for _ in range(200):
+        np.testing.assert_array_equal(np.asarray(pool(x, w)), np.full((1, 4096), 1024.0, np.float32))
+        if cpu_kernels.helper_items() > before:
+            break
+    assert cpu_kernels.helper_items() > before
+
+
+def test_bad_input_is_rejected():
+    x = jnp.ones((2, 8), jnp.float32)
+    with pytest.raises(ValueError, match="x \\[..., R, K\\]"):
+        cpu_kernels.matmul(x, jnp.ones((9, 4), jnp.float32))
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cpu_kernels.matmul(x.astype(jnp.float16), jnp.ones((8, 4), jnp.float32))
+    with pytest.raises(ValueError, match="int8"):
+        cpu_kernels.matmul(x, jnp.ones((8, 4), jnp.int8))
+    with pytest.raises(ValueError, match="scale"):
+        cpu_kernels.matmul(x, jnp.ones((8, 4), jnp.int8), jnp.ones((5,)))
+    with pytest.raises(ValueError, match="unknown CPU kernel path"):
+        cpu_kernels.matmul(x, jnp.ones((8, 4), jnp.float32), isa="sse9")
+
+
+def test_env_caps_the_path_for_a_fallback(monkeypatch):
+    """HYBRIDJAX_CPU_ISA selects a fallback at trace time; the result stays right."""
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((1, 77)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((77, 33)), jnp.bfloat16)
+    monkeypatch.setenv("HYBRIDJAX_CPU_ISA", "scalar")
+    lowered = jax.jit(lambda x, w: cpu_kernels.matmul(x, w)).lower(x, w).as_text()  # fresh trace
+    assert "isa = 0" in lowered, lowered
+    assert_close(cpu_kernels.matmul(x, w), x, w.astype(jnp.float32), False)
+    monkeypatch.setenv("HYBRIDJAX_CPU_ISA", "nonsense")
+    with pytest.raises(ValueError, match="unknown CPU kernel path"):
+        cpu_kernels.matmul(x, w)
+
+
+def test_dense_sends_few_rows_to_the_kernel_and_prefill_to_xla(monkeypatch):
+    w = jnp.ones((64, 48), jnp.bfloat16)
+    def hlo(rows):  # a fresh function each time: the choice is made at trace time
+        return jax.jit(lambda x, w: ops.dense(x, w)).lower(jnp.ones((rows, 64), jnp.bfloat16), w).as_text()
+
+    assert cpu_kernels.TARGET in hlo(1) and cpu_kernels.TARGET in hlo(cpu_kernels.MAX_ROWS)
+    assert cpu_kernels.TARGET not in hlo(cpu_kernels.MAX_ROWS + 1)
+    monkeypatch.setenv("HYBRIDJAX_CPU_KERNELS", "0")
+    assert cpu_kernels.TARGET not in hlo(1)
+
+
+def test_a_missing_extension_warns_once_and_dense_uses_xla(monkeypatch, caplog):
+    monkeypatch.setattr(cpu_kernels, "_load", lambda: (None, "simulated: no .so"))
+    cpu_kernels.warn_unavailable.cache_clear()
+    x, w = jnp.ones((1, 16), jnp.float32), jnp.ones((16, 8), jnp.float32)
+    with caplog.at_level(logging.WARNING, logger="hybridjax.cpu_kernels"):
+        for _ in range(3):
+            hlo = jax.jit(lambda x, w: ops.dense(x, w)).lower(x, w).as_text()
+            np.testing.assert_array_equal(np.asarray(ops.dense(x, w)), np.full((1, 8), 16.0, np.float32))
+    assert cpu_kernels.TARGET not in hlo
+    warned = [r for r in caplog.records if "simulated: no .so" in r.getMessage()]
+    assert len(warned) == 1
+    cpu_kernels.warn_unavailable.cache_clear()
+
+
+# --- the model: decode with the kernel against decode without it -------------------------
+
+
+def decode_logits(params, cfg, prompt, steps):
+    """Greedy decode `steps` tokens one forward at a time; returns the [steps, vocab] logits."""
+    fwd = jax.jit(functools.partial(hybridjax.forward, cfg=cfg))  # fresh: traced under this env
+    cache = hybridjax.init_cache(cfg, 1, 64, capacity=64)
+    logits, cache = fwd(params, jnp.asarray([prompt], jnp.int32), cache)
+    out = []
+    tok = int(jnp.argmax(logits[0, -1]))
+    for _ in range(steps):
+        logits, cache = fwd(params, jnp.asarray([[tok]], jnp.int32), cache)
+        out.append(np.asarray(logits[0, -1]))
+        tok = int(np.argmax(out[-1]))
+    return np.stack(out)
+
+
+# qwen3_5_dense has the tied head (transposed path), qwen3_next_moe an untied one and MoE. Not
+# qwen3_next_moe in bfloat16: XLA:CPU rejects the bf16 expert einsum of a 9-token prefill
+# ("Unsupported element type for DotThunk: BF16 x BF16 = F32"), with or without this kernel.
+@pytest.mark.parametrize("arch, dtype", [("qwen3_5_dense", "float32"), ("qwen3_5_dense", "bfloat16"),
+                                         ("qwen3_next_moe", "float32")])
+def test_model_decode_with_kernel_equals_without(arch, dtype, loaded, monkeypatch):
+    """Same weights, one-token decode steps through the kernel and through XLA's dots.
+    float32: both are float32 accumulations in different orders: 1e-5 of the logit range.
+    bfloat16: activations are rounded to bf16 between layers on both sides, in different
+    places, so one bf16 ulp (2^-8) of drift per layer is possible: we allow 5e-2 of the range
+    and require the same greedy tokens (random tiny models have well-separated maxima)."""
+    cfg, params = loaded[arch]
+    params = hybridjax.params.cast_params(params, dtype)
+    prompt = np.random.RandomState(7).randint(0, cfg.vocab_size, 9).tolist()
+    with_kernel = decode_logits(params, cfg, prompt, 6)
+    monkeypatch.setenv("HYBRIDJAX_CPU_KERNELS", "0")
+    without = decode_logits(params, cfg, prompt, 6)
+    rtol = 1e-5 if dtype == "float32" else 5e-2
+    err = np.abs(with_kernel - without).max() / np.abs(without).max()
+    assert err < rtol, err
+    np.testing.assert_array_equal(with_kernel.argmax(-1), without.argmax(-1))
+
+
+def test_generate_with_kernel_equals_without_for_a_batch(loaded, monkeypatch):
+    """The library's generate (lax.while_loop decode, 3 ragged rows) gives the same greedy
+    tokens with and without the kernel."""
+    cfg, params = loaded["qwen3_5_dense"]
+    prompts = [np.random.RandomState(s).randint(0, cfg.vocab_size, n).tolist() for s, n in ((1, 5), (2, 11), (3, 1))]
+    ours = generate(params, cfg, prompts, max_new_tokens=12).token_lists()
+    monkeypatch.setenv("HYBRIDJAX_CPU_KERNELS", "0")
+    jax.clear_caches()  # generate's jit was traced with the kernel
+    try:
+        ref = generate(params, cfg, prompts, max_new_tokens=12).token_lists()
+    finally:
+        monkeypatch.delenv("HYBRIDJAX_CPU_KERNELS")
+        jax.clear_caches()
+    assert ours == ref
