@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from conversion.hf import CheckpointError, assemble, flat_leaves, leaf_shapes, load_hf, open_hf, read_params
+from conversion.hf import CheckpointError, assemble, flat_leaves, has_mtp, leaf_shapes, load_hf, open_hf, read_params
 from hybridjax.config import Config, load_config, read_json
 from hybridjax.params import FLOAT32_LEAVES, Params, is_shape, param_shapes
 
@@ -129,7 +129,7 @@ def _checkpointer():
     return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True, use_compression=False))
 
 
-def abstract_params(cfg: Config, dtype, extra: dict[str, dict]) -> Params:
+def abstract_params(cfg: Config, dtype, extra: dict[str, dict], mtp: bool = False) -> Params:
     """Params of jax.ShapeDtypeStruct: `dtype` for weights, float32 for the gate leaves."""
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
@@ -137,7 +137,7 @@ def abstract_params(cfg: Config, dtype, extra: dict[str, dict]) -> Params:
         name = getattr(path[-1], "name", "")
         return jax.ShapeDtypeStruct(shape, jnp.float32 if name in FLOAT32_LEAVES else jnp.dtype(dtype), sharding=sharding)
 
-    tree = jax.tree_util.tree_map_with_path(leaf, param_shapes(cfg), is_leaf=is_shape)
+    tree = jax.tree_util.tree_map_with_path(leaf, param_shapes(cfg, mtp), is_leaf=is_shape)
     kept = {n: jax.ShapeDtypeStruct(tuple(e["shape"]), jnp.dtype(e["dtype"]), sharding=sharding) for n, e in extra.items()}
     return tree.replace(extra=kept)
 
@@ -145,7 +145,7 @@ def abstract_params(cfg: Config, dtype, extra: dict[str, dict]) -> Params:
 def _check_shapes(path: Path, info: dict, cfg: Config) -> None:
     """Compare the stored arrays (as the marker lists them) with what config.json implies."""
     stored = {n: tuple(s) for n, s in info["shapes"].items()}
-    expected = leaf_shapes(cfg)
+    expected = leaf_shapes(cfg, has_mtp(stored))
     problems = []
     if missing := sorted(set(expected) - set(stored)):
         problems.append(f"missing arrays ({len(missing)}): {', '.join(missing[:20])}")
@@ -171,7 +171,7 @@ class CheckpointReader:
             raise CheckpointError(f"{self.path}: the params directory {PARAMS_DIR}/ is missing")
         _check_shapes(self.path, self.info, self.cfg)
         self.dtype = jnp.dtype(dtype or self.info["dtype"])
-        self.target = abstract_params(self.cfg, self.dtype, self.info["extra"])
+        self.target = abstract_params(self.cfg, self.dtype, self.info["extra"], has_mtp(self.info["shapes"]))
         self._ckpt = _checkpointer()
 
     def restore(self) -> Params:
@@ -187,9 +187,11 @@ class CheckpointReader:
 
     def group(self, key: str) -> dict[str, np.ndarray]:
         """One group of params as host arrays, by leaf path: key "top" (embed, final_norm, lm_head),
-        "layers.<i>", or "extra" (paths "extra.<name>")."""
+        "layers.<i>", "mtp" (the MTP head), or "extra" (paths "extra.<name>")."""
         if key == "top":
             return self.host(self._item(top=True))
+        if key == "mtp":
+            return self.host(self._item(mtp=True))
         if key == "extra":
             return self.host(self._item(extra=True))
         return self.host(self._item(layers=(int(key.split(".")[1]),)))
@@ -210,7 +212,7 @@ class CheckpointReader:
             out[path] = x
         return out
 
-    def _item(self, top: bool = False, layers: tuple[int, ...] = (), extra: bool = False) -> dict:
+    def _item(self, top: bool = False, layers: tuple[int, ...] = (), extra: bool = False, mtp: bool = False) -> dict:
         t, item = self.target, {}
         if top:
             item.update(embed=t.embed, final_norm=t.final_norm, **({} if t.lm_head is None else {"lm_head": t.lm_head}))
@@ -218,14 +220,16 @@ class CheckpointReader:
             item["layers"] = [t.layers[j] if j in layers else None for j in range(len(t.layers))]
         if extra and t.extra:
             item["extra"] = dict(t.extra)
+        if mtp and t.mtp is not None:
+            item["mtp"] = t.mtp
         return item
 
     def _batches(self) -> list[dict]:
-        """top + extra, then runs of layers of about 1/32 of the model each (a restore call
+        """top + extra + mtp, then runs of layers of about 1/32 of the model each (a restore call
         costs ~40 ms, so a 48-layer model does not pay 48 of them)."""
         size = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))  # noqa: E731
         budget = size(self.target) / 32
-        batches, run, run_bytes = [self._item(top=True, extra=True)], [], 0
+        batches, run, run_bytes = [self._item(top=True, extra=True, mtp=True)], [], 0
         for i, layer in enumerate(self.target.layers):
             run.append(i)
             run_bytes += size(layer)

@@ -20,7 +20,7 @@ import ml_dtypes  # noqa: F401  registers bfloat16 / float8 with numpy
 import numpy as np
 from safetensors import safe_open
 
-from conversion.names import IGNORED_PREFIXES, KEPT_PREFIXES, Rule, rules_for
+from conversion.names import IGNORED_PREFIXES, KEPT_PREFIXES, MTP_PREFIX, Rule, rules_for
 from hybridjax.config import Config, load_config, read_json
 from hybridjax.params import FLOAT32_LEAVES, Params, is_shape, param_shapes
 
@@ -117,9 +117,14 @@ def path_str(path) -> str:
     return ".".join(str(getattr(p, "name", getattr(p, "idx", getattr(p, "key", p)))) for p in path)
 
 
-def leaf_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
-    """Param leaf path -> expected shape."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=is_shape)
+def has_mtp(names) -> bool:
+    """Whether tensor names (HF names or param leaf paths) include the MTP head's."""
+    return any(n.startswith(MTP_PREFIX) for n in names)
+
+
+def leaf_shapes(cfg: Config, mtp: bool = False) -> dict[str, tuple[int, ...]]:
+    """Param leaf path -> expected shape (with the MTP head's leaves when `mtp`)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(param_shapes(cfg, mtp), is_leaf=is_shape)
     return {path_str(p): s for p, s in flat}
 
 
@@ -142,7 +147,7 @@ def _check(rules: list[Rule], names: set[str], reader: TensorReader, cfg: Config
 
 def iter_params(rules: list[Rule], reader: TensorReader, cfg: Config) -> Iterator[tuple[str, np.ndarray]]:
     """Yield (param path, numpy array) for every rule, shape-checked, one rule at a time."""
-    shapes = leaf_shapes(cfg)
+    shapes = leaf_shapes(cfg, any(p.startswith(MTP_PREFIX) for r in rules for p in r.params))
     bad = []
     for rule in rules:
         arrays = rule.to_params(*(reader.get(n) for n in rule.hf))
@@ -157,8 +162,9 @@ def iter_params(rules: list[Rule], reader: TensorReader, cfg: Config) -> Iterato
 
 
 def assemble(cfg: Config, leaves: dict[str, jax.Array], extra: dict | None = None) -> Params:
-    """Params from a path -> array dict (the inverse of flattening with `path_str`)."""
-    flat, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=is_shape)
+    """Params from a path -> array dict (the inverse of flattening with `path_str`); an MTP head
+    when the dict has its leaves."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg, has_mtp(leaves)), is_leaf=is_shape)
     return jax.tree_util.tree_unflatten(treedef, [leaves[path_str(p)] for p, _ in flat]).replace(extra=extra or {})
 
 
@@ -213,7 +219,7 @@ def open_hf(model_dir: str | Path) -> HFSource:
     cfg = load_config(model_dir)
     shards, reader = read_hf_tensors(model_dir)
     names = set(shards)
-    rules = rules_for(cfg, text_root(names), has_fused_experts(names))
+    rules = rules_for(cfg, text_root(names), has_fused_experts(names), mtp=has_mtp(names))
     try:
         _check(rules, names, reader, cfg)
     except CheckpointError:
@@ -226,8 +232,8 @@ def load_hf(model_dir: str | Path, dtype="float32", progress: Callable[[int], No
     """Read an HF model directory into (Config, Params), casting weights to `dtype`
     (None: the checkpoint's own dtype).
 
-    The gate parameters (A_log, dt_bias) stay float32. `mtp.*` tensors are kept verbatim
-    in `params.extra`; vision-tower tensors of multimodal checkpoints are skipped.
+    The gate parameters (A_log, dt_bias) stay float32. `mtp.*` tensors, when present, load into
+    `params.mtp`; vision-tower tensors of multimodal checkpoints are skipped.
     `progress(nbytes)`, if given, is called after each tensor is read.
     """
     with open_hf(model_dir) as src:

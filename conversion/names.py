@@ -166,30 +166,49 @@ def _attention_rules(src: str, dst: str) -> list[Rule]:
     ]
 
 
-def rules_for(cfg: Config, root: str, fused_experts: bool) -> list[Rule]:
+def _decoder_rules(src: str, dst: str, cfg: Config, full: bool, moe: bool, fused_experts: bool) -> list[Rule]:
+    rules = [
+        copy(f"{src}.input_layernorm.weight", f"{dst}.input_norm"),
+        copy(f"{src}.post_attention_layernorm.weight", f"{dst}.post_norm"),
+    ]
+    if full:
+        rules += _attention_rules(f"{src}.self_attn", f"{dst}.mixer")
+    else:
+        rules += _gdn_rules(f"{src}.linear_attn", f"{dst}.mixer", cfg)
+    if moe:
+        rules += _moe_rules(f"{src}.mlp", f"{dst}.ffn", cfg, fused_experts)
+    else:
+        rules += _mlp_rules(f"{src}.mlp", f"{dst}.ffn")
+    return rules
+
+
+def mtp_rules(cfg: Config, fused_experts: bool) -> list[Rule]:
+    """The multi-token-prediction head: `mtp.*` (no text-model prefix, in every layout), one
+    full-attention layer `mtp.layers.0` whose ffn is MoE in MoE models."""
+    return [
+        copy("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_embedding"),
+        copy("mtp.pre_fc_norm_hidden.weight", "mtp.pre_fc_norm_hidden"),
+        linear("mtp.fc.weight", "mtp.fc"),
+        *_decoder_rules("mtp.layers.0", "mtp.layer", cfg, True, any(cfg.moe_layers), fused_experts),
+        copy("mtp.norm.weight", "mtp.norm"),
+    ]
+
+
+def rules_for(cfg: Config, root: str, fused_experts: bool, mtp: bool = False) -> list[Rule]:
     """Every rule for a checkpoint whose text-model tensors start with `root` ("model." or
-    "model.language_model.")."""
+    "model.language_model."), with the MTP head's when `mtp`."""
     rules = [copy(f"{root}embed_tokens.weight", "embed"), copy(f"{root}norm.weight", "final_norm")]
     if not cfg.tie_word_embeddings:
         rules.append(linear("lm_head.weight", "lm_head"))
     for i, kind in enumerate(cfg.layer_types):
-        src, dst = f"{root}layers.{i}", f"layers.{i}"
-        rules += [
-            copy(f"{src}.input_layernorm.weight", f"{dst}.input_norm"),
-            copy(f"{src}.post_attention_layernorm.weight", f"{dst}.post_norm"),
-        ]
-        if kind == FULL:
-            rules += _attention_rules(f"{src}.self_attn", f"{dst}.mixer")
-        else:
-            rules += _gdn_rules(f"{src}.linear_attn", f"{dst}.mixer", cfg)
-        if cfg.is_moe_layer(i):
-            rules += _moe_rules(f"{src}.mlp", f"{dst}.ffn", cfg, fused_experts)
-        else:
-            rules += _mlp_rules(f"{src}.mlp", f"{dst}.ffn")
+        rules += _decoder_rules(f"{root}layers.{i}", f"layers.{i}", cfg, kind == FULL, cfg.is_moe_layer(i), fused_experts)
+    if mtp:
+        rules += mtp_rules(cfg, fused_experts)
     return rules
 
 
 # Tensors of the checkpoint that are not the text model and are left out on purpose.
 IGNORED_PREFIXES = ("model.visual.",)
-# Tensors kept verbatim in Params.extra (multi-token-prediction head).
-KEPT_PREFIXES = ("mtp.",)
+# Tensors kept verbatim in Params.extra: none today (the MTP head, mtp.*, loads into Params.mtp).
+KEPT_PREFIXES: tuple[str, ...] = ()
+MTP_PREFIX = "mtp."

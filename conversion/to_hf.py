@@ -67,9 +67,10 @@ class Entry:
 def plan(cfg: Config, params: Params, gate_dtype) -> list[tuple[Rule | str, list[Entry]]]:
     """Every HF tensor to write, grouped by the rule (or extra tensor name) producing it.
     `params` may hold arrays or jax.ShapeDtypeStruct: only leaf dtypes are read."""
-    shapes, leaves = leaf_shapes(cfg), flat_leaves(params.replace(extra={}))
+    mtp = params.mtp is not None
+    shapes, leaves = leaf_shapes(cfg, mtp), flat_leaves(params.replace(extra={}))
     groups: list[tuple[Rule | str, list[Entry]]] = []
-    for rule in rules_for(cfg, hf_root(cfg), fused_experts=False):
+    for rule in rules_for(cfg, hf_root(cfg), fused_experts=False, mtp=mtp):
         probes = [np.zeros(shapes[p], _ZERO_BYTES) for p in rule.params]
         outs = rule.to_hf(*probes)
         dt = _out_dtype(rule, leaves, gate_dtype)
@@ -86,9 +87,9 @@ def _out_dtype(rule: Rule, leaves: dict, gate_dtype) -> np.dtype:
 
 
 def group_of(path: str) -> str:
-    """The restore group of a leaf path: "layers.<i>", "extra" or "top"."""
+    """The restore group of a leaf path: "layers.<i>", "extra", "mtp" or "top"."""
     parts = path.split(".")
-    return ".".join(parts[:2]) if parts[0] == "layers" else parts[0] if parts[0] == "extra" else "top"
+    return ".".join(parts[:2]) if parts[0] == "layers" else parts[0] if parts[0] in ("extra", "mtp") else "top"
 
 
 def shard(entries: list[Entry], max_bytes: int) -> list[list[Entry]]:
@@ -169,7 +170,7 @@ def write_hf(
 def write_shards(cfg: Config, abstract: Params, fetch: Callable[[str], dict[str, np.ndarray]], out_dir, *,
                  max_shard_size, gate_dtype, progress) -> tuple[int, int, int]:
     """The streaming writer: plan from `abstract` (shapes and dtypes), then produce tensors rule by
-    rule, fetching host arrays one group at a time (`fetch("top" | "layers.<i>" | "extra")`)."""
+    rule, fetching host arrays one group at a time (`fetch("top" | "layers.<i>" | "mtp" | "extra")`)."""
     out_dir = Path(out_dir)
     groups = plan(cfg, abstract, gate_dtype)
     entries = [e for _, es in groups for e in es]

@@ -3,6 +3,7 @@
     hybridjax generate [--model DIR] (--prompt TEXT | --messages FILE.json | --token-ids 1,2,3) ...
     hybridjax serve [--model DIR] [--port 8000] ...
     hybridjax convert --hf-dir D --out D  |  --to-hf --checkpoint D --out D
+    hybridjax train (--model DIR | --config FILE) --data FILE.jsonl --out DIR [--steps N] ...
 
 Every error is one line on stderr and a non-zero exit code.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -29,6 +31,13 @@ def _positive_int(s: str) -> int:
     return v
 
 
+def _power_of_two(s: str) -> int:
+    v = _positive_int(s)
+    if v < 1 or v & (v - 1):
+        raise argparse.ArgumentTypeError(f"must be a power of two, got {v}")
+    return v
+
+
 def _token_ids(s: str) -> list[int]:
     try:
         ids = [int(x) for x in s.split(",") if x.strip()]
@@ -41,6 +50,32 @@ def _token_ids(s: str) -> list[int]:
 
 # Measured on CPU (benchmarks/README.md): float32 decodes faster, bfloat16 prefills faster.
 DTYPE_HELP = "weights dtype (default: float32; on CPU bfloat16 prefills faster but decodes slower)"
+
+
+def default_compile_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "hybridjax" / "jax"
+
+
+def use_compile_cache(directory: str | None, enabled: bool = True) -> None:
+    """Keep compiled XLA programs on disk between runs (JAX's persistent compilation cache), so
+    a second start skips compilation."""
+    if not enabled:
+        return
+    import jax
+
+    if directory is None and jax.config.jax_compilation_cache_dir:
+        return  # already set up (JAX_COMPILATION_CACHE_DIR, or by the caller): keep it
+    path = Path(directory) if directory else default_compile_cache_dir()
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # every program, even quick ones
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def _add_compile_cache(p) -> None:
+    p.add_argument("--compile-cache-dir", help=f"where compiled programs are kept (default {default_compile_cache_dir()})")
+    p.add_argument("--no-compile-cache", action="store_true", help="do not keep compiled programs between runs")
 
 
 def load_model(model: str | None, dtype: str | None = None):
@@ -83,6 +118,7 @@ def cmd_generate(args) -> int:
     from hybridjax.sampling import sampling_params
     from hybridjax.tokenizer import StreamDecoder
 
+    use_compile_cache(args.compile_cache_dir, not args.no_compile_cache)
     cfg, params, tok, _ = load_model(args.model, args.dtype)
     prompt = _prompt_ids(args, tok)
     bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
@@ -115,7 +151,7 @@ def cmd_generate(args) -> int:
 
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt")
-    p.add_argument("--model", help="HF model directory or converted checkpoint (default: the embedded tiny model)")
+    p.add_argument("--model", help="HF model directory or converted checkpoint (default: the embedded default model)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--messages", help="JSON file with a list of chat messages (rendered with the chat template)")
@@ -130,6 +166,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help=DTYPE_HELP)
     p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
     p.add_argument("--json", action="store_true", help='print {"prompt_token_ids", "token_ids", "text"}')
+    _add_compile_cache(p)
     p.set_defaults(func=cmd_generate)
 
 
@@ -140,14 +177,16 @@ def cmd_serve(args) -> int:
         host=args.host, port=args.port, slots=args.slots, max_len=args.max_len,
         max_queue=args.max_queue, prefix_cache=not args.no_prefix_cache, cache_mb=args.cache_mb,
         cache_entries=args.cache_entries, cache_ttl_s=args.cache_ttl, checkpoint_interval=args.checkpoint_interval,
-        cache_dir=args.prefix_cache_dir, api_key=args.api_key,
+        cache_dir=args.prefix_cache_dir, api_key=args.api_key, page_size=args.page_size, kv_pages=args.kv_pages, kv_mb=args.kv_mb,
+        prefill_chunk=args.prefill_chunk, warmup=not args.no_warmup,
     )
+    use_compile_cache(args.compile_cache_dir, not args.no_compile_cache)
     return serve(sc, *load_model(args.model, args.dtype))
 
 
 def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with exact-prefix snapshot reuse")
-    p.add_argument("--model", help="HF model directory or converted checkpoint (default: the embedded tiny model)")
+    p.add_argument("--model", help="HF model directory or converted checkpoint (default: the embedded default model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--slots", type=_positive_int, default=4, help="requests decoded together (default 4)")
@@ -162,6 +201,14 @@ def _add_serve(sub) -> None:
     p.add_argument("--prefix-cache-dir", help="persist snapshots here across restarts")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help=DTYPE_HELP)
+    p.add_argument("--page-size", type=_power_of_two, default=64, help="tokens per KV page (default 64)")
+    p.add_argument("--kv-pages", type=_positive_int, default=None,
+                   help="pages in the KV pool (default: from --kv-mb, else every slot at --max-len, twice)")
+    p.add_argument("--kv-mb", type=float, default=None, help="memory for the KV pool in MB (instead of --kv-pages)")
+    p.add_argument("--prefill-chunk", type=_power_of_two, default=256,
+                   help="prompt tokens per engine step; running streams decode between chunks (default 256)")
+    p.add_argument("--no-warmup", action="store_true", help="do not compile every shape before serving")
+    _add_compile_cache(p)
     p.set_defaults(func=cmd_serve)
 
 
@@ -199,6 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_serve(sub)
     _add_convert(sub)
+    from hybridjax.cli_train import add_train
+
+    add_train(sub, _positive_int)
     return parser
 
 

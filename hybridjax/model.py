@@ -36,7 +36,26 @@ def forward(
     [B, 1, vocab] at each row's last real token with `last_logits_only`, and the new cache, whose `lengths` advanced by token_counts. The input cache is not modified.
     Outside jit the KV buffers grow as needed; under jit the caller reserves room first
     (`hybridjax.cache.reserve`), since shapes are fixed there.
+    implementation: the kernels' backend (the delta rule, and attention over a page pool):
+    "xla", "pallas", "reference", or None (Pallas when lowered for a GPU, XLA elsewhere).
     """
+    x, cache = forward_hidden(params, tokens, cache, cfg, token_counts=token_counts,
+                              implementation=implementation, last_only=last_logits_only)
+    return lm_logits(params, x), cache
+
+
+def forward_hidden(
+    params: Params,
+    tokens: Array,
+    cache: Cache,
+    cfg: Config,
+    *,
+    token_counts: Array | None = None,
+    implementation: str | None = None,
+    last_only: bool = False,
+) -> tuple[Array, Cache]:
+    """`forward` without the LM head: the final-normed hidden states [B, T, D] (or [B, 1, D] at
+    each row's last real token with `last_only`), the input of the LM head and of the MTP head."""
     tokens = jnp.asarray(tokens, jnp.int32)
     if tokens.ndim != 2:
         raise ValueError(f"forward: tokens must be int32 [B, T], got shape {tokens.shape}")
@@ -54,10 +73,20 @@ def forward(
     for layer, state in zip(params.layers, cache.layers):
         x, state = decoder_layer(layer, x, state, starts, valid, cfg, implementation)
         states.append(state)
-    if last_logits_only:  # prefill needs one row of logits, not T: skip the big vocab matmul
+    if last_only:  # prefill needs one row of logits, not T: skip the big vocab matmul
         last = jnp.maximum(counts - 1, 0)
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)  # [B, 1, D]
     x = ops.rms_norm(x, params.final_norm, cfg.rms_norm_eps)
-    head = params.embed.T if params.lm_head is None else params.lm_head  # [D, vocab]
-    logits = ops.dense(x, head, jnp.float32)
-    return logits, cache.replace(layers=tuple(states), lengths=starts + counts)
+    return x, cache.replace(layers=tuple(states), lengths=starts + counts)
+
+
+def lm_head(params: Params) -> Array:
+    """The LM head [D, vocab] (the embedding table, transposed, when tied)."""
+    return params.embed.T if params.lm_head is None else params.lm_head
+
+
+def lm_logits(params: Params, x: Array) -> Array:
+    """float32 logits [..., vocab] of final-normed hidden states x [..., D]."""
+    if params.lm_head is None:  # tied: the embedding [vocab, D] is read in place, never copied as .T
+        return ops.dense(x, params.embed, jnp.float32, transposed=True)
+    return ops.dense(x, params.lm_head, jnp.float32)

@@ -6,7 +6,9 @@ are undone in `conversion/`, never here.
 
 `Params.layers` is a tuple aligned 1:1 with HF layer indices; each entry is a
 `DecoderLayer` whose `mixer` is `GDNParams` (linear attention) or `AttentionParams`
-(gated full attention) and whose `ffn` is `MLPParams` or `MoEParams`.
+(gated full attention) and whose `ffn` is `MLPParams` or `MoEParams`. `Params.mtp` is the
+optional multi-token-prediction head (`MTPParams`, Qwen3.5 / Qwen3-Next `mtp.*` tensors), None
+when the checkpoint has none.
 """
 
 from __future__ import annotations
@@ -72,12 +74,25 @@ class DecoderLayer:
 
 
 @struct.dataclass
+class MTPParams:
+    """The multi-token-prediction head: predicts token t+2 from the main model's hidden state at t
+    and the embedding of token t+1 (embeddings and LM head shared with the main model)."""
+
+    pre_fc_norm_embedding: Array  # [D]  (1 + w)
+    pre_fc_norm_hidden: Array  # [D]  (1 + w)
+    fc: Array  # [2D, D]  input [normed embedding | normed hidden]
+    layer: DecoderLayer  # one full-attention decoder layer (MoE ffn in MoE models)
+    norm: Array  # [D]  (1 + w)
+
+
+@struct.dataclass
 class Params:
     embed: Array  # [vocab, D]
     layers: tuple  # tuple[DecoderLayer, ...]
     final_norm: Array  # [D]
     lm_head: Any  # [D, vocab], or None when tied to embed
-    extra: dict = struct.field(default_factory=dict)  # checkpoint tensors we keep verbatim (mtp.*)
+    extra: dict = struct.field(default_factory=dict)  # checkpoint tensors kept verbatim (none today)
+    mtp: Any = None  # MTPParams, or None when the checkpoint has no MTP head
 
 
 # --- shapes ---------------------------------------------------------------------------
@@ -88,9 +103,10 @@ def _mlp_shapes(d: int, i: int) -> MLPParams:
 
 
 def layer_shapes(cfg: Config, i: int) -> DecoderLayer:
-    """The shape of every tensor of layer i, as a DecoderLayer of tuples."""
+    """The shape of every tensor of layer i, as a DecoderLayer of tuples (i = "mtp": the MTP
+    head's layer: full attention, MoE when the model has experts)."""
     d = cfg.hidden_size
-    if cfg.layer_types[i] == FULL:
+    if i == "mtp" or cfg.layer_types[i] == FULL:
         hq, hkv, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         mixer = AttentionParams(
             q_proj=(d, hq * 2 * dh), k_proj=(d, hkv * dh), v_proj=(d, hkv * dh),
@@ -103,7 +119,7 @@ def layer_shapes(cfg: Config, i: int) -> DecoderLayer:
             conv=(cfg.linear_conv_kernel_dim, cfg.gdn_conv_dim), dt_bias=(hv,), A_log=(hv,),
             norm=(cfg.linear_value_head_dim,), out_proj=(cfg.gdn_value_dim, d),
         )
-    if cfg.is_moe_layer(i):
+    if (any(cfg.moe_layers) if i == "mtp" else cfg.is_moe_layer(i)):
         e, mi = cfg.num_experts, cfg.moe_intermediate_size
         ffn = MoEParams(
             router=(d, e), gate=(e, d, mi), up=(e, d, mi), down=(e, mi, d),
@@ -114,13 +130,21 @@ def layer_shapes(cfg: Config, i: int) -> DecoderLayer:
     return DecoderLayer(input_norm=(d,), mixer=mixer, post_norm=(d,), ffn=ffn)
 
 
-def param_shapes(cfg: Config) -> Params:
-    """Params whose leaves are shape tuples (no arrays): the contract loaders check against."""
+def mtp_shapes(cfg: Config) -> MTPParams:
+    d = cfg.hidden_size
+    return MTPParams(pre_fc_norm_embedding=(d,), pre_fc_norm_hidden=(d,), fc=(2 * d, d),
+                     layer=layer_shapes(cfg, "mtp"), norm=(d,))
+
+
+def param_shapes(cfg: Config, mtp: bool = False) -> Params:
+    """Params whose leaves are shape tuples (no arrays): the contract loaders check against.
+    `mtp`: include the multi-token-prediction head."""
     return Params(
         embed=(cfg.vocab_size, cfg.hidden_size),
         layers=tuple(layer_shapes(cfg, i) for i in range(cfg.num_hidden_layers)),
         final_norm=(cfg.hidden_size,),
         lm_head=None if cfg.tie_word_embeddings else (cfg.hidden_size, cfg.vocab_size),
+        mtp=mtp_shapes(cfg) if mtp else None,
     )
 
 
@@ -149,8 +173,9 @@ def cast_params(params: Params, dtype) -> Params:
 # --- random init (tests, benchmarks, the embedded default model) ----------------------
 
 
-def init_params(key, cfg: Config, dtype=jnp.float32) -> Params:
-    """Random params with the shapes of `cfg`, from a PRNG key or an integer seed.
+def init_params(key, cfg: Config, dtype=jnp.float32, mtp: bool = False) -> Params:
+    """Random params with the shapes of `cfg` (and an MTP head if `mtp`), from a PRNG key or an
+    integer seed.
 
     Drawn with numpy on the host (no per-shape compilation; the same values on every
     machine). Norm weights, A_log and dt_bias are drawn away from their usual init values
@@ -158,7 +183,7 @@ def init_params(key, cfg: Config, dtype=jnp.float32) -> Params:
     """
     seed = key if isinstance(key, int) else int(np.asarray(jax.random.key_data(key)).ravel()[-1])
     rng = np.random.default_rng(seed)
-    shapes = param_shapes(cfg)
+    shapes = param_shapes(cfg, mtp)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=is_shape)
     out = []
     for path, shape in leaves:
@@ -167,7 +192,7 @@ def init_params(key, cfg: Config, dtype=jnp.float32) -> Params:
             x = np.log(rng.uniform(0.5, 8.0, shape))
         elif name == "dt_bias":
             x = rng.uniform(-1.0, 1.5, shape)
-        elif name.endswith("norm"):
+        elif "norm" in name:
             x = 0.2 * rng.standard_normal(shape) + (1.0 if _in_gdn(path) else 0.0)
         else:
             fan_in = shape[-2] if len(shape) >= 2 else shape[0]

@@ -80,16 +80,69 @@ def qwen3_5_moe(out: Path, seed: int = 4) -> Path:
     return _save(Qwen3_5MoeForCausalLM(cfg).eval(), out, seed)
 
 
-def add_mtp_tensor(model_dir: Path, seed: int = 5) -> np.ndarray:
-    """Append an `mtp.*` tensor to a single-file checkpoint, as real Qwen3-Next checkpoints carry."""
+class TorchMTP(torch.nn.Module):
+    """The MTP head written from vLLM's Qwen3NextMultiTokenPredictor / Qwen3_5MultiTokenPredictor
+    (vllm/model_executor/models/qwen3_next_mtp.py, qwen3_5_mtp.py), with transformers' own
+    decoder layer (full attention) for `mtp.layers.0`: the torch reference for hybridjax.mtp."""
+
+    def __init__(self, model: torch.nn.Module, layer_idx: int):
+        super().__init__()
+        text = model.model.language_model if hasattr(model.model, "language_model") else model.model
+        cfg = text.config
+        assert cfg.layer_types[layer_idx] == "full_attention"
+        norm_cls, layer_cls = type(text.norm), type(text.layers[layer_idx])
+        d = cfg.hidden_size
+        self.text, self.lm_head = [text], [model.lm_head]  # shared, not registered as submodules
+        self.pre_fc_norm_embedding, self.pre_fc_norm_hidden = norm_cls(d, eps=cfg.rms_norm_eps), norm_cls(d, eps=cfg.rms_norm_eps)
+        self.fc = torch.nn.Linear(2 * d, d, bias=False)
+        self.layers = torch.nn.ModuleList([layer_cls(cfg, layer_idx)])
+        self.norm = norm_cls(d, eps=cfg.rms_norm_eps)
+
+    def forward(self, hidden, next_ids, positions):
+        """hidden [B, T, D] (main model's final-normed states), next_ids [B, T], positions [B, T]."""
+        text = self.text[0]
+        e = self.pre_fc_norm_embedding(text.embed_tokens(next_ids))
+        x = self.fc(torch.cat([e, self.pre_fc_norm_hidden(hidden)], dim=-1))
+        t = x.shape[1]
+        causal = torch.full((t, t), float("-inf")).triu(1)[None, None]  # [1, 1, T, T]
+        x = self.layers[0](x, position_embeddings=text.rotary_emb(x, positions), attention_mask=causal,
+                           position_ids=positions)
+        x = x[0] if isinstance(x, tuple) else x
+        out = self.norm(x)
+        return self.lm_head[0](out), out
+
+
+def add_mtp_head(model_dir: Path, model: torch.nn.Module, seed: int = 5) -> TorchMTP:
+    """Give a single-file checkpoint a random MTP head (`mtp.*` tensors, experts per expert as the
+    checkpoint stores them) and return it as a TorchMTP over `model`."""
     from safetensors.numpy import load_file, save_file
 
+    text = model.model.language_model if hasattr(model.model, "language_model") else model.model
+    layer_idx = max(i for i, t in enumerate(text.config.layer_types) if t == "full_attention")
+    torch.manual_seed(seed)
+    head = TorchMTP(model, layer_idx).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # a bare module skips transformers' init (fused experts start uninitialised)
+        for p in head.parameters():
+            if p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+    _perturb(head, seed)
     path = model_dir / "model.safetensors"
     tensors = load_file(path)
-    extra = np.random.RandomState(seed).randn(8, 4).astype(np.float32)
-    tensors["mtp.fc.weight"] = extra
+    for name, p in head.state_dict().items():
+        x = p.detach().numpy()
+        if name.endswith("experts.gate_up_proj"):  # fused [E, 2I, D] -> per expert [I, D]
+            stem, i = name[: -len("gate_up_proj")], x.shape[1] // 2
+            for e in range(x.shape[0]):
+                tensors[f"mtp.{stem}{e}.gate_proj.weight"] = np.ascontiguousarray(x[e, :i])
+                tensors[f"mtp.{stem}{e}.up_proj.weight"] = np.ascontiguousarray(x[e, i:])
+        elif name.endswith("experts.down_proj"):  # [E, D, I] -> per expert [D, I]
+            for e in range(x.shape[0]):
+                tensors[f"mtp.{name[: -len('down_proj')]}{e}.down_proj.weight"] = np.ascontiguousarray(x[e])
+        else:
+            tensors[f"mtp.{name}"] = np.ascontiguousarray(x)
     save_file(tensors, path, metadata={"format": "pt"})
-    return extra
+    return head
 
 
 BUILDERS = {

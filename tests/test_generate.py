@@ -203,10 +203,13 @@ def test_cli_errors_are_one_line(cli_model, tmp_path, capsys):
 
 def test_cli_default_model_runs(capsys):
     from hybridjax.cli import main
+    from hybridjax.default_model import default_model
 
     assert main(["generate", "--prompt", "Hello", "--max-new-tokens", "5", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert len(out["token_ids"]) == 5 and len(out["prompt_token_ids"]) == 5
+    tok = default_model()[2]
+    assert out["prompt_token_ids"] == tok.encode("Hello") and 1 <= len(out["token_ids"]) <= 5
+    assert out["text"] == tok.decode(out["token_ids"], skip_special_tokens=True)
 
 
 def test_donation_rule(loaded):

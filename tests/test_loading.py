@@ -88,11 +88,14 @@ def _copy(src, dst):
     return dst
 
 
-def test_mtp_tensors_are_kept(tmp_path, hf_dirs):
+def test_mtp_tensors_load_into_the_mtp_head(tmp_path, hf_dirs):
+    from safetensors.numpy import load_file
+
     d = _copy(hf_dirs["qwen3_next_moe"], tmp_path / "m")
-    extra = hf_models.add_mtp_tensor(d)
+    hf_models.add_mtp_head(d, hf_models.load_torch(d))
     _, params = hybridjax.load_hf(d)
-    np.testing.assert_array_equal(np.asarray(params.extra["mtp.fc.weight"]), extra)
+    np.testing.assert_array_equal(np.asarray(params.mtp.fc), load_file(d / "model.safetensors")["mtp.fc.weight"].T)
+    assert params.extra == {}
 
 
 def test_fused_expert_layout_equals_per_expert(tmp_path, hf_dirs, loaded):
