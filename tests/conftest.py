@@ -13,14 +13,20 @@ from pathlib import Path
 import jax
 import pytest
 
-# No persistent compilation cache in the test process: engine threads compile beside the test
-# thread, and JAX 0.10's cache write segfaults when two threads write at once (seen in CI).
-
 sys.path.insert(0, str(Path(__file__).parent))
 
 import hf_models  # noqa: E402
 
 import hybridjax  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _no_persistent_compile_cache():
+    """No persistent compilation cache in the test process: with it on, a JAX 0.10 cache write
+    segfaulted in CI (an engine thread compiling while test threads ran). In-process CLI calls
+    pass --no-compile-cache; this fails the test that forgets to."""
+    yield
+    assert not jax.config.jax_compilation_cache_dir, "a test enabled the persistent compilation cache"
 
 
 @pytest.fixture(scope="session")

@@ -171,7 +171,7 @@ def cli_model(tmp_path_factory, hf_dirs):
 def test_cli_generate_json(cli_model, capsys, loaded):
     from hybridjax.cli import main
 
-    assert main(["generate", "--model", str(cli_model), "--prompt", "Hi there", "--max-new-tokens", "6", "--json"]) == 0
+    assert main(["generate", "--no-compile-cache", "--model", str(cli_model), "--prompt", "Hi there", "--max-new-tokens", "6", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     cfg, params = loaded["qwen3_5_dense"]
     tok = Tokenizer.from_dir(cli_model)
@@ -181,7 +181,7 @@ def test_cli_generate_json(cli_model, capsys, loaded):
 
     msgs = cli_model.parent / "msgs.json"
     msgs.write_text(json.dumps(CHATS[1]))
-    assert main(["generate", "--model", str(cli_model), "--messages", str(msgs), "--max-new-tokens", "3", "--json", "--stream"]) == 0
+    assert main(["generate", "--no-compile-cache", "--model", str(cli_model), "--messages", str(msgs), "--max-new-tokens", "3", "--json", "--stream"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["prompt_token_ids"] == tok.encode_chat(CHATS[1]) and len(out["token_ids"]) <= 3
 
@@ -189,15 +189,15 @@ def test_cli_generate_json(cli_model, capsys, loaded):
 def test_cli_errors_are_one_line(cli_model, tmp_path, capsys):
     from hybridjax.cli import main
 
-    assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"]) == 1
+    assert main(["generate", "--no-compile-cache", "--model", str(tmp_path / "nope"), "--prompt", "x"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "model directory not found" in err
-    assert main(["generate", "--model", str(cli_model), "--token-ids", "1,99999"]) == 1
+    assert main(["generate", "--no-compile-cache", "--model", str(cli_model), "--token-ids", "1,99999"]) == 1
     assert "token id 99999 is outside the vocabulary" in capsys.readouterr().err
-    assert main(["generate", "--model", str(cli_model), "--prompt", "x", "--top-p", "0"]) == 1
+    assert main(["generate", "--no-compile-cache", "--model", str(cli_model), "--prompt", "x", "--top-p", "0"]) == 1
     assert "invalid sampling parameter 'top_p'" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
-        main(["generate", "--token-ids", "a,b"])
+        main(["generate", "--no-compile-cache", "--token-ids", "a,b"])
     assert e.value.code == 2
 
 
@@ -205,7 +205,7 @@ def test_cli_default_model_runs(capsys):
     from hybridjax.cli import main
     from hybridjax.default_model import default_model
 
-    assert main(["generate", "--prompt", "Hello", "--max-new-tokens", "5", "--json"]) == 0
+    assert main(["generate", "--no-compile-cache", "--prompt", "Hello", "--max-new-tokens", "5", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     tok = default_model()[2]
     assert out["prompt_token_ids"] == tok.encode("Hello") and 1 <= len(out["token_ids"]) <= 5

@@ -235,7 +235,7 @@ def test_cli_trains_resumes_and_writes_a_model(tmp_path, capsys):
     cfg, params = hybridjax.load(out / "model")
     assert cfg.num_hidden_layers == 4 and params.embed.dtype == jnp.float32
     capsys.readouterr()
-    assert main(["generate", "--model", str(out / "model"), "--prompt", "The quick", "--max-new-tokens", "4", "--json"]) == 0
+    assert main(["generate", "--no-compile-cache", "--model", str(out / "model"), "--prompt", "The quick", "--max-new-tokens", "4", "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)["token_ids"]) <= 4
     assert main(["convert", "--to-hf", "--checkpoint", str(out / "model"), "--out", str(tmp_path / "hf"), "--quiet"]) == 0
     assert (tmp_path / "hf" / "model.safetensors").is_file() and (tmp_path / "hf" / "tokenizer.json").is_file()
