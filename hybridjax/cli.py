@@ -260,9 +260,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-len", type=_positive_int, default=4096, help="context length per request")
     p.add_argument("--max-queue", type=_positive_int, default=64, help="waiting requests before 429")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the snapshot store off")
-    p.add_argument("--cache-mb", type=float, default=1024.0, help="snapshot store budget in MB")
+    p.add_argument("--cache-mb", type=_positive_float, default=1024.0, help="snapshot store budget in MB")
     p.add_argument("--cache-entries", type=_positive_int, default=256, help="snapshot store entry limit")
-    p.add_argument("--cache-ttl", type=float, default=3600.0, help="seconds a snapshot lives unused")
+    p.add_argument("--cache-ttl", type=_positive_float, default=3600.0, help="seconds a snapshot lives unused")
     p.add_argument("--checkpoint-interval", type=_positive_int, default=256,
                    help="snapshot every N prompt tokens of a long prefill (0 = off)")
     p.add_argument("--prefix-cache-dir", help="persist snapshots here across restarts")
@@ -273,7 +273,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--page-size", type=_power_of_two, default=64, help="tokens per KV page")
     p.add_argument("--kv-pages", type=_positive_int, default=None,
                    help="pages in the KV pool (default: from --kv-mb, else every slot at --max-len, twice)")
-    p.add_argument("--kv-mb", type=float, default=None, help="memory for the KV pool in MB (instead of --kv-pages)")
+    p.add_argument("--kv-mb", type=_positive_float, default=None, help="memory for the KV pool in MB (instead of --kv-pages)")
     p.add_argument("--prefill-chunk", type=_power_of_two, default=256,
                    help="prompt tokens per engine step; running streams decode between chunks")
     p.add_argument("--no-warmup", action="store_true", help="do not compile every shape before serving")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import http.client
 import json
+import re
 import threading
 import time
 
@@ -193,6 +194,17 @@ def test_a_non_streaming_request_is_cancelled_when_its_client_leaves(server):
         assert time.time() < deadline
         time.sleep(0.05)
     assert server.metric("hybridjax_tokens_generated_total") == before_tokens
+
+
+def test_one_log_line_per_request(server, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="hybridjax.server"):
+        r = post(server, "/v1/completions", {"model": MODEL, "prompt": "log me", "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "hybridjax.server"]
+    assert any(re.fullmatch(r"completion: prompt 6 tokens \(cached \d+\), generated 3, ttft [\d.]+ s, [\d.]+ tok/s, "
+                            r"length", line) for line in lines), lines
 
 
 @pytest.mark.parametrize("port", ["99999", "0", "-1", "http"])

@@ -286,3 +286,21 @@ def test_later_turns_prefill_only_the_new_message(server, cold):
             new = tok.encode(history[-1]["content"] + "<|im_end|>\n<|im_start|>assistant\n<think>\n")
             assert usage.prompt_tokens - usage.prompt_tokens_details.cached_tokens == len(new), turn
         history += [{"role": "assistant", "content": text}, {"role": "user", "content": f"And question {turn + 2}?"}]
+
+
+def test_tool_call_stream_splits_alike_wherever_the_text_breaks():
+    from hybridjax.server.openai_format import ToolCallStream, split_tool_calls
+
+    text = "Sure. " + HERMES + " and " + QWEN35 + " <tool_cal"
+    want_content, want_calls = split_tool_calls(text)
+    assert [c["function"]["name"] for c in want_calls] == ["get_weather", "get_weather"]
+    strip = lambda calls: [c["function"] for c in calls]  # noqa: E731  (ids are fresh per call)
+    for cut in range(len(text) + 1):
+        s = ToolCallStream()
+        a, calls_a = s.push(text[:cut])
+        b, calls_b = s.push(text[cut:])
+        c, calls_c = s.flush()
+        assert "<tool_call>" not in a + b + c
+        assert (a + b + c).strip() == want_content and strip(calls_a + calls_b + calls_c) == strip(want_calls), cut
+    broken = "<tool_call>\n{not json}\n</tool_call>"
+    assert split_tool_calls(broken) == (broken, [])  # what does not parse stays text
