@@ -628,7 +628,11 @@ class Engine:
                 self._deliver(slot, *_draw_of(drawn, i, slot), slot.pos, moving=False)
 
     def _end_background(self, slot: _Slot) -> None:
-        self._close(slot, "stop")
+        """A background prefill ends: counted apart, not as a finished request (nobody sent it)."""
+        slot.finished = True
+        slot.handle.finish_reason = "stop"
+        self.counters["background_prefills"] += 1
+        slot.handle._emit(Event(None, "", "stop"))
         self._free(slot)
 
     def _prefilling(self) -> bool:

@@ -286,6 +286,11 @@ def test_later_turns_prefill_only_the_new_message(server, cold):
             new = tok.encode(history[-1]["content"] + "<|im_end|>\n<|im_start|>assistant\n<think>\n")
             assert usage.prompt_tokens - usage.prompt_tokens_details.cached_tokens == len(new), turn
         history += [{"role": "assistant", "content": text}, {"role": "user", "content": f"And question {turn + 2}?"}]
+    wait_idle(eng)
+    # Counted apart from requests: every request finished, and the background work shows on its own.
+    finished = sum(server.metric(f'hybridjax_requests_finished_total{{reason="{r}"}}') for r in ("stop", "length", "cancelled"))
+    assert finished == server.metric("hybridjax_requests_total")
+    assert server.metric("hybridjax_background_prefills_total") >= 4
 
 
 def test_tool_call_stream_splits_alike_wherever_the_text_breaks():
