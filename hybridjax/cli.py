@@ -333,6 +333,7 @@ def setup_logging(verbose: bool = True) -> None:
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("jax").setLevel(logging.WARNING)  # backend probing ("no TPU") is not news
 
 
 def main(argv=None) -> int:
