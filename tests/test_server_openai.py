@@ -13,7 +13,6 @@ import json
 import threading
 import time
 
-import httpx
 import openai
 import pytest
 from test_server import MODEL, RunningServer
