@@ -109,3 +109,14 @@ def test_serve_logs_the_model_its_size_and_load_time(monkeypatch, caplog):
     assert seen["name"] == "hybridjax-default"
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("loaded "))
     assert re.search(r"loaded hybridjax-default: [\d.]+M parameters, [\d.]+ MB .* in [\d.]+ s", line), line
+
+
+def test_api_key_file(tmp_path):
+    f = tmp_path / "keys"
+    f.write_text("# team keys\nkey-a\n\n  key-b  \n")
+    assert cli.read_api_keys(str(f)) == ("key-a", "key-b")
+    f.write_text("# none yet\n")
+    with pytest.raises(cli.CLIError, match="holds no keys"):
+        cli.read_api_keys(str(f))
+    with pytest.raises(cli.CLIError, match="cannot read"):
+        cli.read_api_keys(str(tmp_path / "missing"))
