@@ -1,14 +1,28 @@
 """hybridjax: Qwen3.5 / Qwen3-Next hybrid models in JAX with pure-functional caches.
 
+Text in, text out:
+
+    model = hybridjax.load_model("path/to/model_dir")   # None: the embedded default model
+    model.generate("Hello")                              # or a list of chat messages
+
+The functional API (token ids, caches as values):
+
     cfg, params = hybridjax.load_hf("path/to/hf_model_dir", dtype="float32")
     cache = hybridjax.init_cache(cfg, batch_size=1, max_len=4096)
-    logits, cache = hybridjax.forward(params, tokens, cache, cfg)
+    logits, cache = hybridjax.forward(params, tokens, cache, cfg)         # tokens: int32 [B, T]
+
+    # Under jit, cfg is a static argument (it is hashable) and the KV room is reserved first:
+    fast = jax.jit(hybridjax.forward, static_argnames="cfg")
+    logits, cache = fast(params, tokens, hybridjax.reserve(cache, tokens.shape[1]), cfg)
+
+See docs/architecture.md for how the pieces fit.
 """
 
 from hybridjax.cache import Cache, GDNState, KVState, init_cache, reserve
 from hybridjax.config import Config, ConfigError, config_from_dict, load_config
 from hybridjax.model import forward
 from hybridjax.params import Params, init_params
+from hybridjax.text import Model, load_model
 
 __version__ = "0.1.0"
 
@@ -29,6 +43,6 @@ def load(path, dtype=None):
 
 
 __all__ = [
-    "Cache", "Config", "ConfigError", "GDNState", "KVState", "Params", "config_from_dict",
-    "forward", "init_cache", "init_params", "load", "load_config", "load_hf", "reserve",
+    "Cache", "Config", "ConfigError", "GDNState", "KVState", "Model", "Params", "config_from_dict",
+    "forward", "init_cache", "init_params", "load", "load_config", "load_hf", "load_model", "reserve",
 ]

@@ -1,7 +1,7 @@
 """The cache: per-layer recurrent (GDN) and key/value (attention) state, as immutable pytrees.
 
 `forward` never changes a cache; it returns a new one. A snapshot is therefore just a kept
-reference (see DESIGN.md). Attention KV capacity grows in power-of-two buckets (`reserve`)
+reference (see docs/architecture.md). Attention KV capacity grows in power-of-two buckets (`reserve`)
 so that decoding token by token does not change shapes, and so does not recompile, except
 when a bucket fills.
 """

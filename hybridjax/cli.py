@@ -24,11 +24,56 @@ class CLIError(Exception):
     """An error whose message is shown to the user as is."""
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """--help shows each option's default (unless its help already says it)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return text + " (default: %(default)s)"
+
+
 def _positive_int(s: str) -> int:
-    v = int(s)
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
     if v < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
     return v
+
+
+def _positive_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {s}")
+    return v
+
+
+def _port(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {s!r}") from None
+    if not 1 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 1..65535, got {v}")
+    return v
+
+
+def read_api_keys(path: str) -> tuple[str, ...]:
+    """Keys from a file, one per line (blank lines and '#' comments skipped)."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise CLIError(f"--api-key-file: cannot read {path}: {e.strerror or e}") from None
+    keys = tuple(k for k in (line.strip() for line in lines) if k and not k.startswith("#"))
+    if not keys:
+        raise CLIError(f"--api-key-file: {path} holds no keys")
+    return keys
 
 
 def _power_of_two(s: str) -> int:
@@ -156,13 +201,13 @@ def _add_generate(sub) -> None:
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--messages", help="JSON file with a list of chat messages (rendered with the chat template)")
     src.add_argument("--token-ids", type=_token_ids, help="comma-separated prompt token ids")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    p.add_argument("--max-new-tokens", type=_positive_int, default=64, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (0 = off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help=DTYPE_HELP)
     p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
     p.add_argument("--json", action="store_true", help='print {"prompt_token_ids", "token_ids", "text"}')
@@ -179,34 +224,58 @@ def cmd_serve(args) -> int:
         cache_entries=args.cache_entries, cache_ttl_s=args.cache_ttl, checkpoint_interval=args.checkpoint_interval,
         cache_dir=args.prefix_cache_dir, api_key=args.api_key, page_size=args.page_size, kv_pages=args.kv_pages, kv_mb=args.kv_mb,
         prefill_chunk=args.prefill_chunk, warmup=not args.no_warmup,
+        api_keys=read_api_keys(args.api_key_file) if args.api_key_file else (),
+        max_body_bytes=int(args.max_body_mb * 2**20),
     )
     use_compile_cache(args.compile_cache_dir, not args.no_compile_cache)
-    return serve(sc, *load_model(args.model, args.dtype))
+    import logging
+    import time
+
+    log = logging.getLogger("hybridjax.serve")
+    log.info("loading %s", args.model or "the embedded default model")
+    t0 = time.perf_counter()
+    cfg, params, tok, name = load_model(args.model, args.dtype)
+    if tok is None:
+        raise CLIError(f"{args.model}: serve needs a tokenizer.json in the model directory")
+    n, nbytes = _size(params)
+    log.info("loaded %s: %.1fM parameters, %.1f MB (%s), %d layers, context %d, in %.1f s", name, n / 1e6,
+             nbytes / 2**20, params.embed.dtype, cfg.num_hidden_layers, min(args.max_len, cfg.max_position_embeddings),
+             time.perf_counter() - t0)
+    return serve(sc, cfg, params, tok, name)
+
+
+def _size(params) -> tuple[int, int]:
+    import jax
+
+    leaves = jax.tree_util.tree_leaves(params)
+    return sum(x.size for x in leaves), sum(x.size * x.dtype.itemsize for x in leaves)
 
 
 def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with exact-prefix snapshot reuse")
     p.add_argument("--model", help="HF model directory or converted checkpoint (default: the embedded default model)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--slots", type=_positive_int, default=4, help="requests decoded together (default 4)")
-    p.add_argument("--max-len", type=_positive_int, default=4096, help="context length per request (default 4096)")
-    p.add_argument("--max-queue", type=_positive_int, default=64, help="waiting requests before 429 (default 64)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=_port, default=8000, help="port to listen on")
+    p.add_argument("--slots", type=_positive_int, default=4, help="requests decoded together")
+    p.add_argument("--max-len", type=_positive_int, default=4096, help="context length per request")
+    p.add_argument("--max-queue", type=_positive_int, default=64, help="waiting requests before 429")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the snapshot store off")
-    p.add_argument("--cache-mb", type=float, default=1024.0, help="snapshot store budget in MB (default 1024)")
+    p.add_argument("--cache-mb", type=_positive_float, default=1024.0, help="snapshot store budget in MB")
     p.add_argument("--cache-entries", type=_positive_int, default=256, help="snapshot store entry limit")
-    p.add_argument("--cache-ttl", type=float, default=3600.0, help="seconds a snapshot lives unused")
+    p.add_argument("--cache-ttl", type=_positive_float, default=3600.0, help="seconds a snapshot lives unused")
     p.add_argument("--checkpoint-interval", type=_positive_int, default=256,
                    help="snapshot every N prompt tokens of a long prefill (0 = off)")
     p.add_argument("--prefix-cache-dir", help="persist snapshots here across restarts")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--api-key-file", help="accept every key in this file (one per line); each key has its own cache")
+    p.add_argument("--max-body-mb", type=_positive_float, default=8.0, help="largest request body in MB (413 above)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help=DTYPE_HELP)
-    p.add_argument("--page-size", type=_power_of_two, default=64, help="tokens per KV page (default 64)")
+    p.add_argument("--page-size", type=_power_of_two, default=64, help="tokens per KV page")
     p.add_argument("--kv-pages", type=_positive_int, default=None,
                    help="pages in the KV pool (default: from --kv-mb, else every slot at --max-len, twice)")
-    p.add_argument("--kv-mb", type=float, default=None, help="memory for the KV pool in MB (instead of --kv-pages)")
+    p.add_argument("--kv-mb", type=_positive_float, default=None, help="memory for the KV pool in MB (instead of --kv-pages)")
     p.add_argument("--prefill-chunk", type=_power_of_two, default=256,
-                   help="prompt tokens per engine step; running streams decode between chunks (default 256)")
+                   help="prompt tokens per engine step; running streams decode between chunks")
     p.add_argument("--no-warmup", action="store_true", help="do not compile every shape before serving")
     _add_compile_cache(p)
     p.set_defaults(func=cmd_serve)
@@ -241,7 +310,10 @@ def _add_convert(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from hybridjax import __version__
+
     parser = argparse.ArgumentParser(prog="hybridjax", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"hybridjax {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_serve(sub)
@@ -249,11 +321,25 @@ def build_parser() -> argparse.ArgumentParser:
     from hybridjax.cli_train import add_train
 
     add_train(sub, _positive_int)
+    for p in sub.choices.values():
+        p.formatter_class = _HelpFormatter
     return parser
+
+
+def setup_logging(verbose: bool = True) -> None:
+    """One line per event on stderr: the server's and the engine's own lines (model, load time,
+    one per request), beside uvicorn's access log."""
+    import logging
+
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("jax").setLevel(logging.WARNING)  # backend probing ("no TPU") is not news
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        setup_logging()
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -28,7 +28,10 @@ RUN_KEYS = ("model", "config", "data", "batch_size", "seq_len", "lr", "lora_rank
 
 
 def _count(s: str) -> int:
-    v = int(s)
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
     return v

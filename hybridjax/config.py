@@ -62,7 +62,7 @@ class Config:
     # identity of the source checkpoint, kept so converters can write it back
     model_type: str = ""
 
-    # --- derived sizes (axis vocabulary of DESIGN.md) ---
+    # --- derived sizes (axis vocabulary of docs/architecture.md) ---
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)

@@ -56,6 +56,38 @@ class QueueFull(Exception):
     """The engine's waiting queue is at its bound; the client should retry later."""
 
 
+class InvalidRequest(ValueError):
+    """A request the engine cannot run; `param` names the field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def check_request(req: "GenerationRequest", vocab_size: int) -> None:
+    """Reject values the device steps cannot take (int32 / uint32 fields, non-finite floats)
+    at submission, so that a bad request fails alone and before any stream starts."""
+    import math
+
+    def bad(field, why):
+        raise InvalidRequest(f"invalid {field} {getattr(req, field)!r}: {why}", field)
+
+    if not 0 <= req.top_k < 2**31:
+        bad("top_k", "must be in [0, 2**31)")
+    if not 0 <= req.seed < 2**32:
+        bad("seed", "must be in [0, 2**32)")
+    if req.logprobs is not None and not 0 <= req.logprobs <= steps.MAX_TOP_LOGPROBS:
+        bad("logprobs", f"must be in [0, {steps.MAX_TOP_LOGPROBS}]")
+    for field in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        if not math.isfinite(getattr(req, field)):
+            bad(field, "must be finite")
+    if req.temperature < 0 or not 0 < req.top_p <= 1 or req.repetition_penalty <= 0:
+        bad("temperature" if req.temperature < 0 else "top_p" if not 0 < req.top_p <= 1 else "repetition_penalty",
+            "out of range")
+    if any(not 0 <= t < vocab_size for t in req.prompt_ids):
+        bad("prompt_ids", f"token ids must be in [0, {vocab_size})")
+
+
 @dataclasses.dataclass
 class GenerationRequest:
     prompt_ids: list[int]
@@ -254,6 +286,7 @@ class Engine:
             raise ValueError("the prompt is empty")
         if n + max(request.max_tokens, 1) > self.max_len:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({request.max_tokens}) exceeds the context length {self.max_len}")
+        check_request(request, self.cfg.vocab_size)
         if pages_for(n + request.max_tokens, self.pool.page_size) > self.pool.num_pages:
             raise ValueError(f"prompt + max_tokens ({n + request.max_tokens} tokens) exceeds the KV pool "
                              f"({self.pool.num_pages} pages of {self.pool.page_size} tokens)")
@@ -307,6 +340,11 @@ class Engine:
     @property
     def active_slots(self) -> int:
         return sum(r is not None for r in self._rows)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing waiting, running or prefilling in the background."""
+        return not self._waiting and not self._background and self.active_slots == 0 and self._inflight is None
 
     def generate(self, request: GenerationRequest, timeout: float | None = None) -> RequestHandle:
         """Submit and wait for the end (tests, scripts)."""
@@ -590,7 +628,11 @@ class Engine:
                 self._deliver(slot, *_draw_of(drawn, i, slot), slot.pos, moving=False)
 
     def _end_background(self, slot: _Slot) -> None:
-        self._close(slot, "stop")
+        """A background prefill ends: counted apart, not as a finished request (nobody sent it)."""
+        slot.finished = True
+        slot.handle.finish_reason = "stop"
+        self.counters["background_prefills"] += 1
+        slot.handle._emit(Event(None, "", "stop"))
         self._free(slot)
 
     def _prefilling(self) -> bool:

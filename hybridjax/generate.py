@@ -1,6 +1,6 @@
 """The jit boundaries: prefill, decode step, whole-call generate, and a streaming iterator.
 
-Donation rule (DESIGN.md): only functions named `..._donating` donate the cache, and only a
+Donation rule (docs/architecture.md): only functions named `..._donating` donate the cache, and only a
 cache no snapshot holds may be passed to them. `prefill`, `decode_step` and `generate` never
 donate, so a kept cache stays usable; `stream` runs its first step without donation and
 donates from then on (each later cache is its own fresh value).
@@ -190,15 +190,17 @@ def generate(
     max_new_tokens: int | Sequence[int],
     cache: Cache | None = None,
     max_len: int | None = None,
-    stop_ids: Sequence[int] = (),
+    stop_ids: Sequence[int] | None = None,
     seeds: Sequence[int] | None = None,
     sampling: SamplingParams | None = None,
 ) -> Generation:
     """Prefill ragged prompts and decode until each row stops, in one jitted call.
 
-    A row stops at a token in `stop_ids` (kept as its last token) or after its
-    `max_new_tokens`. `cache` (optional) holds what precedes the prompts; it is not donated,
-    so it stays usable (a snapshot). Default sampling is greedy.
+    A row stops at a token in `stop_ids` (kept as its last token; default: the model's
+    `cfg.eos_token_id`, `()` for none) or after its `max_new_tokens`. `cache` (optional) holds
+    what precedes the prompts; it is not donated, so it stays usable (a snapshot). A new cache
+    holds up to `max_len` tokens (default: the model's context; memory grows with use), so the
+    returned `.cache` can be continued. Default sampling is greedy.
     """
     b = len(prompts)
     if b == 0 or any(len(p) == 0 for p in prompts):
@@ -209,10 +211,11 @@ def generate(
     out_len = length_bucket(int(max_new.max()))
     tokens, counts = pad_prompts(prompts)
     if cache is None:
-        cache = init_cache(cfg, b, max_len or (tokens.shape[1] + out_len))
+        cache = init_cache(cfg, b, max_len or max(cfg.max_position_embeddings, tokens.shape[1] + out_len))
     cache = reserve(cache, counts + max_new)
     sp = sampling if sampling is not None else sampling_params(b)
     sampler = init_sampler(sp, seeds if seeds is not None else [0] * b, cfg.vocab_size, tokens, counts)
+    stop_ids = cfg.eos_token_id if stop_ids is None else stop_ids
     stops = jnp.asarray(np.array(list(stop_ids) or [-1], np.int32))
     return _generate(params, tokens, counts, cache, sampler, stops, jnp.asarray(max_new), cfg, out_len)
 
@@ -228,11 +231,12 @@ def stream(
     max_new_tokens: int,
     cache: Cache | None = None,
     max_len: int | None = None,
-    stop_ids: Sequence[int] = (),
+    stop_ids: Sequence[int] | None = None,
     seed: int = 0,
     sampling: SamplingParams | None = None,
 ) -> Iterator[int]:
-    """Yield generated tokens one at a time (batch of one), stopping like `generate`.
+    """Yield generated tokens one at a time (batch of one), stopping like `generate` (by
+    default at the model's `cfg.eos_token_id`).
 
     The first step (prefill from `cache`, maybe a snapshot) does not donate; every later step
     donates the cache the previous step made, which nothing else holds.
@@ -240,11 +244,11 @@ def stream(
     if not prompt:
         raise ValueError("stream: the prompt needs at least one token")
     if cache is None:
-        cache = init_cache(cfg, 1, max_len or len(prompt) + max_new_tokens)
+        cache = init_cache(cfg, 1, max_len or max(cfg.max_position_embeddings, len(prompt) + max_new_tokens))
     tokens, counts = pad_prompts([prompt])
     sampler = init_sampler(sampling or sampling_params(1), [seed], cfg.vocab_size, tokens, counts)
     logits, cache = prefill(params, tokens, cache, cfg, counts)
-    stops = set(stop_ids)
+    stops = set(cfg.eos_token_id if stop_ids is None else stop_ids)
     for i in range(max_new_tokens):
         tok, sampler = _next_token_jit(logits, sampler)
         t = int(tok[0])

@@ -1,6 +1,6 @@
 """The layers of the hybrid model, each a pure function `(p, x, state, ...) -> (y, new_state)`.
 
-Shapes use the axis vocabulary of DESIGN.md. `valid [B, T]` marks real tokens; right padding
+Shapes use the axis vocabulary of docs/architecture.md. `valid [B, T]` marks real tokens; right padding
 must leave a row's state exactly as if the pads were absent, so pads get g = 0 and beta = 0
 (the delta rule then keeps the state), zeroed inputs, and the conv state is cut at each row's
 true end. Attention pads write keys past a row's length that later tokens overwrite.

@@ -386,14 +386,15 @@ def model_identity(name: str, cfg, params) -> str:
     return h.hexdigest()[:24]
 
 
-def history_boundary(tokenizer, messages: list[dict], prompt_ids: Sequence[int]) -> int | None:
+def history_boundary(tokenizer, messages: list[dict], prompt_ids: Sequence[int], **template_kwargs) -> int | None:
     """Tokens of the stable chat history: everything before the last user message, if the
-    rendered prompt starts with it and it tokenizes to a prefix of `prompt_ids`."""
+    rendered prompt starts with it and it tokenizes to a prefix of `prompt_ids` (`template_kwargs`,
+    e.g. tools, as the prompt was rendered with)."""
     last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
     if not last_user:
         return None
     try:
-        head = tokenizer.render_chat(messages[:last_user], add_generation_prompt=False)
+        head = tokenizer.render_chat(messages[:last_user], add_generation_prompt=False, **template_kwargs)
     except ValueError:
         return None
     ids = tokenizer.encode(head)

@@ -33,7 +33,7 @@ class SamplingParams:
 def _check(name: str, values: np.ndarray, ok, rule: str) -> None:
     bad = values[~ok(values)]
     if bad.size:
-        raise ValueError(f"invalid sampling parameter '{name}': {bad[0]!r} ({rule})")
+        raise ValueError(f"invalid sampling parameter '{name}': {bad[0].item()} ({rule})")  # a number, not np.float32(...)
 
 
 def sampling_params(

@@ -11,6 +11,7 @@ give the same string.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -82,6 +83,13 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters of the longest token's text, an upper bound on what one token decodes to
+        (byte-level vocabularies spell each byte as one character): a text of n characters has
+        at least n / max_token_chars tokens, known without tokenizing it."""
+        return max(1, max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1))
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids

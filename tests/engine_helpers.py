@@ -36,7 +36,8 @@ def ids(text: str) -> list[int]:
 def _cold(prompt: tuple, seed: int, temperature: float) -> tuple:
     cfg, params, _ = tiny_test_model()
     sp = sampling_params(1, temperature=temperature)
-    g = generate(params, cfg, [list(prompt)], max_new_tokens=COLD_NEW, max_len=MAX_LEN, seeds=[seed], sampling=sp)
+    g = generate(params, cfg, [list(prompt)], max_new_tokens=COLD_NEW, max_len=MAX_LEN, seeds=[seed], sampling=sp,
+                 stop_ids=())  # no stop: the engine tests ask for every token
     return tuple(g.token_lists()[0])
 
 

@@ -250,7 +250,7 @@ def cold_long(prompt, n):
     from hybridjax.generate import generate
 
     cfg, params, _ = tiny_test_model()
-    return generate(params, cfg, [prompt], max_new_tokens=n, max_len=256).token_lists()[0]
+    return generate(params, cfg, [prompt], max_new_tokens=n, max_len=256, stop_ids=()).token_lists()[0]
 
 
 # --- no compilation on a live request ---------------------------------------------------------

@@ -29,11 +29,15 @@ def free_port() -> int:
 
 
 class RunningServer:
-    def __init__(self, **kw):
-        api_key, cache_dir = kw.get("api_key"), kw.get("cache_dir")
+    def __init__(self, tokenizer=None, **kw):
+        """A server on the tiny test model (`tokenizer`: another chat template, say), configured by
+        ServerConfig's fields."""
         (cfg, params, tok), name = tiny_test_model(), TINY_NAME
-        self.engine, self.store = build_engine(ServerConfig(**kw), cfg, params, tok, name)
-        app = create_app(self.engine, name, api_key=api_key, cache_dir=cache_dir, warmup=kw.get("warmup", True))
+        sc = ServerConfig(**kw)
+        self.engine, self.store = build_engine(sc, cfg, params, tokenizer or tok, name)
+        app = create_app(self.engine, name, api_key=sc.api_key, api_keys=sc.api_keys, cache_dir=sc.cache_dir,
+                         warmup=sc.warmup, max_body_bytes=sc.max_body_bytes)
+        api_key = sc.api_key or (sc.api_keys[0] if sc.api_keys else None)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))

@@ -6,7 +6,7 @@
                                   # y [..., R, N] float32, accumulated in float32
 
 A decode step reads every weight once per token, so it is bound by memory bandwidth, and
-XLA:CPU's one-row dots reach only part of it (bfloat16 ones ~2 GB/s: DESIGN.md, Known traps).
+XLA:CPU's one-row dots reach only part of it (bfloat16 ones ~2 GB/s: docs/architecture.md, Known traps).
 The kernel (matmul.cc) streams the weight in hybridjax's own `[in, out]` layout, so nothing is
 packed at load time and prefill keeps reading the same arrays with XLA's matmuls. Its paths,
 picked from cpuid at run time: "avx512bf16" (vdpbf16ps, bfloat16 weights), "avx512", "avx2",

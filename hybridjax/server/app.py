@@ -1,7 +1,14 @@
 """The HTTP API: /v1/chat/completions, /v1/completions (SSE streaming or not), /v1/models,
-/health, /metrics. Errors use OpenAI's body shape `{"error": {message, type, param, code}}`:
-400 invalid JSON or parameter (named in `param`), 401 bad API key, 404 unknown model,
-400 prompt over the context, 429 queue full; never a stack trace.
+/v1/models/{id}, /health, /metrics. Errors use OpenAI's body shape
+`{"error": {message, type, param, code}}`: 400 invalid JSON or parameter (named in `param`,
+unsupported ones included), 401 bad API key, 404 unknown model, 400 prompt over the context,
+413 body over the size limit, 429 queue full; never a stack trace, and an unexpected error
+keeps the connection open.
+
+Every check runs before a stream starts (a bad value is a 400, never a 200 and an error event).
+Rendering and tokenizing run in a worker thread, after a length bound computed from the
+characters alone, so a huge prompt neither blocks the event loop nor gets tokenized.
+A client that goes away cancels its request, streaming or not.
 """
 
 from __future__ import annotations
@@ -9,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import hmac
 import json
 import logging
 import time
@@ -17,17 +25,23 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 
 from hybridjax.engine import Engine, GenerationRequest, QueueFull, RequestHandle
 from hybridjax.pages import page_bytes
 from hybridjax.prefix_cache import SnapshotStore, history_boundary, model_identity
+from hybridjax.server import openai_format as fmt
+from hybridjax.server.chat_reuse import needs_prefill, next_turn_prefix
 from hybridjax.server.metrics import render_metrics
-from hybridjax.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from hybridjax.server.schemas import ChatCompletionRequest, CompletionRequest, Message, SamplingFields
 
 log = logging.getLogger("hybridjax.server")
+
+DEFAULT_MAX_BODY_BYTES = 8 * 2**20
+# Template variables a client may not set through chat_template_kwargs (the server sets them).
+_RESERVED_TEMPLATE_KWARGS = {"messages", "add_generation_prompt", "tools", "documents",
+                             "bos_token", "eos_token", "pad_token", "unk_token"}
 
 
 @dataclasses.dataclass
@@ -44,11 +58,13 @@ class ServerConfig:
     checkpoint_interval: int = 256
     cache_dir: str | None = None
     api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # several keys (--api-key-file), each its own cache namespace
     page_size: int = 64
     kv_pages: int | None = None  # None: from kv_mb, else room for every slot at max_len, twice
     kv_mb: float | None = None  # the KV pool's memory budget, when kv_pages is not given
     prefill_chunk: int = 256
     warmup: bool = True  # compile every shape before serving
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get a 413
 
 
 class APIError(Exception):
@@ -80,12 +96,47 @@ def build_engine(sc: ServerConfig, cfg, params, tokenizer, name: str):
     return engine, store
 
 
-def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, cache_dir: str | None = None,
-               warmup: bool = True) -> FastAPI:
+class _CatchAll:
+    """ASGI middleware: an unexpected error becomes an OpenAI-shaped 500 on a connection that
+    stays open. (Starlette's handler for `Exception` answers, then re-raises, and the server
+    closes the connection.)"""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception:
+            log.exception("internal error")
+            if started:
+                raise
+            await error_response(500, "internal server error", type_="server_error")(scope, receive, send)
+
+
+def _key_namespaces(api_key: str | None, api_keys) -> dict[str, str]:
+    keys = ([api_key] if api_key else []) + [k for k in api_keys if k]
+    return {k: hashlib.sha256(k.encode()).hexdigest()[:16] for k in keys}
+
+
+def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, api_keys=(),
+               cache_dir: str | None = None, warmup: bool = True,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The app; its start-up loads persisted snapshots and starts the engine, which compiles every
-    shape first (`warmup`) while /health answers 503 "loading"."""
-    store = engine.store
+    shape first (`warmup`) while /health answers 503 "loading". Each API key (`api_key`,
+    `api_keys`) is its own cache namespace."""
+    store, tok = engine.store, engine.tokenizer
     created = int(time.time())
+    keys = _key_namespaces(api_key, api_keys)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -100,54 +151,82 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, c
             log.info("prefix cache: saved %d snapshots to %s", n, cache_dir)
 
     app = FastAPI(title="hybridjax", lifespan=lifespan)
+    app.add_middleware(_CatchAll)
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
         return error_response(e.status, e.message, e.param, e.code, e.type)
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request, e: RequestValidationError):
-        return _pydantic_error(e.errors())
-
-    @app.exception_handler(Exception)
-    async def _internal(request, e: Exception):
-        log.exception("internal error")
-        return error_response(500, "internal server error", type_="server_error")
-
     def check_auth(request: Request) -> str:
         """The caller's namespace part from its key ('' with auth off)."""
-        if api_key is None:
+        if not keys:
             return ""
         header = request.headers.get("authorization", "")
-        if header != f"Bearer {api_key}":
-            raise APIError(401, "invalid or missing API key", code="invalid_api_key", type_="authentication_error")
-        return hashlib.sha256(api_key.encode()).hexdigest()[:16]
+        given = header[len("Bearer "):] if header.startswith("Bearer ") else ""
+        for key, namespace in keys.items():
+            if hmac.compare_digest(given.encode(), key.encode()):
+                return namespace
+        raise APIError(401, "invalid or missing API key", code="invalid_api_key", type_="authentication_error")
+
+    async def read_body(request: Request) -> bytes:
+        too_big = APIError(413, f"the request body is larger than the limit of {max_body_bytes} bytes",
+                           code="request_too_large")
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > max_body_bytes:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     async def parse(request: Request, model_cls):
+        raw = await read_body(request)
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            body = json.loads(raw)
+        except RecursionError:
+            raise APIError(400, "invalid JSON body: nested too deeply") from None
+        except ValueError as e:  # also integer literals over Python's 4300-digit limit, bad UTF-8
             raise APIError(400, f"invalid JSON body: {e}") from None
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
+        bad = _unencodable_string(body)
+        if bad is not None:
+            raise APIError(400, f"invalid parameter '{bad}': the string is not valid Unicode (a lone surrogate)",
+                           param=bad)
         try:
             req = model_cls.model_validate(body)
         except ValidationError as e:
             err = e.errors()[0]
             param = ".".join(str(p) for p in err["loc"]) or None
-            raise APIError(400, f"invalid parameter '{param}': {err['msg']}", param=param) from None
+            msg = err["msg"].removeprefix("Value error, ")
+            raise APIError(400, f"invalid parameter '{param}': {msg}", param=param) from None
+        unsupported = req.unsupported_fields()
+        if unsupported:
+            raise APIError(400, f"unsupported parameter '{unsupported[0]}': this server does not implement it",
+                           param=unsupported[0], code="unsupported_parameter")
         if req.model != model_name:
             raise APIError(404, f"the model '{req.model}' does not exist; this server serves '{model_name}'",
                            param="model", code="model_not_found")
         return req
 
-    def engine_request(req: SamplingFields, prompt_ids: list[int], max_tokens: int | None, namespace: str,
-                       history_len: int | None = None) -> GenerationRequest:
+    def check_length(chars: int, param: str) -> None:
+        """Reject, without tokenizing, a text that cannot fit: it has at least chars /
+        (longest token's characters) tokens."""
+        least = -(-chars // tok.max_token_chars)
+        if least >= engine.max_len:
+            raise APIError(400, f"the prompt has at least {least} tokens; this model's context is {engine.max_len} tokens",
+                           param=param, code="context_length_exceeded")
+
+    def engine_requests(req: SamplingFields, prompt_ids: list[int], max_tokens: int | None, namespace: str,
+                        history_len: int | None = None, logprobs: int | None = None) -> list[GenerationRequest]:
         n, limit = len(prompt_ids), engine.max_len
+        param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         if n >= limit:
             raise APIError(400, f"the prompt has {n} tokens; this model's context is {limit} tokens",
-                           param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
-                           code="context_length_exceeded")
+                           param=param, code="context_length_exceeded")
         if max_tokens is None:
             max_tokens = limit - n
         elif n + max_tokens > limit:
@@ -156,117 +235,299 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, c
         bad = [t for t in prompt_ids if t >= engine.cfg.vocab_size]
         if bad:
             raise APIError(400, f"token id {bad[0]} is outside the vocabulary", param="prompt")
-        tok = engine.tokenizer
-        return GenerationRequest(
-            prompt_ids=prompt_ids, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-            top_k=max(req.top_k, 0), min_p=req.min_p, repetition_penalty=req.repetition_penalty,
-            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            seed=req.seed if req.seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little"),
-            stop_ids=tuple(tok.eos_token_ids) + tuple(engine.cfg.eos_token_id), stop_strings=tuple(req.stop or ()),
-            namespace=namespace + ":" + (req.cache_salt or ""), history_len=history_len,
-        )
+        out = []
+        for i in range(req.n):
+            # No seed, or -1: random. A given seed makes choice i use seed + i.
+            seed = (int.from_bytes(uuid.uuid4().bytes[:4], "little") if req.seed in (None, -1)
+                    else (req.seed + i) % 2**32)
+            out.append(GenerationRequest(
+                prompt_ids=prompt_ids, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                top_k=max(req.top_k, 0), min_p=req.min_p, repetition_penalty=req.repetition_penalty,
+                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, seed=seed,
+                stop_ids=tuple(tok.eos_token_ids) + tuple(engine.cfg.eos_token_id), stop_strings=tuple(req.stop or ()),
+                namespace=namespace + ":" + (req.cache_salt or ""), history_len=history_len, logprobs=logprobs))
+        return out
 
-    def submit(greq: GenerationRequest) -> RequestHandle:
+    def submit(greqs: list[GenerationRequest]) -> list[RequestHandle]:
+        handles = []
         try:
-            return engine.submit(greq, loop=asyncio.get_running_loop())
-        except QueueFull as e:
-            raise APIError(429, str(e), code="queue_full", type_="rate_limit_error") from None
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
+            for g in greqs:
+                handles.append(engine.submit(g, loop=asyncio.get_running_loop()))
+        except (QueueFull, ValueError) as e:
+            for h in handles:  # all the choices or none
+                h.cancel()
+            if isinstance(e, QueueFull):
+                raise APIError(429, str(e), code="queue_full", type_="rate_limit_error") from None
+            raise APIError(400, str(e), param=getattr(e, "param", None)) from None
+        return handles
 
-    def usage(h: RequestHandle) -> dict:
-        return {"prompt_tokens": h.prompt_tokens, "completion_tokens": len(h.token_ids),
-                "total_tokens": h.prompt_tokens + len(h.token_ids),
-                "prompt_tokens_details": {"cached_tokens": h.cached_tokens}}
+    def usage(handles: list[RequestHandle]) -> dict:
+        h0, completion = handles[0], sum(len(h.token_ids) for h in handles)
+        return {"prompt_tokens": h0.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": h0.prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": h0.cached_tokens}}
 
-    async def run(h: RequestHandle, make_body, make_chunk, include_usage: bool, stream: bool, chat: bool):
-        if not stream:
-            try:
-                async for ev in h.aevents():
-                    pass
-            finally:
+    def scored(h: RequestHandle) -> list[tuple[int, tuple]]:
+        """(token, logprobs) of the tokens in the text (not the stop token)."""
+        stops = set(h.request.stop_ids)
+        return [(t, lp) for t, lp in zip(h.token_ids, h.logprobs) if t not in stops]
+
+    def log_request(kind: str, handles, t0: float, first: float | None) -> None:
+        gen = sum(len(h.token_ids) for h in handles)
+        now = time.perf_counter()
+        ttft = (first - t0) if first else float("nan")
+        rate = gen / (now - first) if first and now > first else 0.0
+        log.info("%s: prompt %d tokens (cached %d), generated %d, ttft %.3f s, %.1f tok/s, %s", kind,
+                 handles[0].prompt_tokens, handles[0].cached_tokens, gen, ttft, rate,
+                 ",".join(str(h.finish_reason) for h in handles))
+
+    async def drain(request: Request, handles: list[RequestHandle]) -> float | None:
+        """Wait for every handle to finish; a client that disconnects meanwhile cancels them.
+        Returns when the first token came (perf_counter), for the log."""
+        first = None
+
+        async def consume(h):
+            nonlocal first
+            async for ev in h.aevents():
+                first = first or time.perf_counter()
+
+        async def watch():
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            for h in handles:
+                h.cancel()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await asyncio.gather(*(consume(h) for h in handles))
+        finally:
+            watcher.cancel()
+            for h in handles:
                 h.cancel()  # no-op when finished; frees the slot if this handler was cancelled
-            if h.finish_reason == "error":
-                raise APIError(500, "generation failed", type_="server_error")
-            return JSONResponse(make_body(h))
+        if any(h.finish_reason == "error" for h in handles):
+            raise APIError(500, "generation failed", type_="server_error")
+        return first
 
-        async def sse():
-            try:
-                if chat:  # chat streams open with the role; completions streams with the first text
-                    yield _sse(make_chunk(h, {"role": "assistant", "content": ""}, None))
-                async for ev in h.aevents():
-                    if ev.finish_reason is None:
-                        if ev.text:
-                            yield _sse(make_chunk(h, {"content": ev.text}, None))
-                        continue
-                    if ev.finish_reason == "error":
-                        yield _sse({"error": {"message": "generation failed", "type": "server_error", "param": None, "code": None}})
+    async def merged(handles: list[RequestHandle]):
+        """(choice index, event) of every handle, as they come."""
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def forward(i, h):
+            async for ev in h.aevents():
+                await q.put((i, ev))
+
+        tasks = [asyncio.create_task(forward(i, h)) for i, h in enumerate(handles)]
+        try:
+            for _ in handles:
+                while True:
+                    i, ev = await q.get()
+                    yield i, ev
+                    if ev.finish_reason is not None:
                         break
-                    final = make_chunk(h, {}, _finish(ev.finish_reason))
-                    final["usage"] = usage(h)
-                    yield _sse(final)
-                    if include_usage:
-                        tail = make_chunk(h, {}, None)
-                        tail["choices"], tail["usage"] = [], usage(h)
-                        yield _sse(tail)
-                yield "data: [DONE]\n\n"
-            finally:
-                h.cancel()  # a client that went away frees its slot at the next step
+        finally:
+            for t in tasks:
+                t.cancel()
 
-        return StreamingResponse(sse(), media_type="text/event-stream")
+    async def remember_next_turn(messages, answer: dict, prompt_ids, h: RequestHandle, namespace: str, kwargs):
+        """Chat reuse through the template (see chat_reuse): prefill the next turn's prefix in idle time."""
+        if store is None or h.finish_reason not in ("stop", "length"):
+            return
+
+        def work():
+            prefix = next_turn_prefix(tok, messages, answer, **kwargs)
+            if prefix and len(prefix) < engine.max_len and needs_prefill(prefix, list(prompt_ids) + h.token_ids):
+                engine.prefill_in_background(prefix, namespace)
+
+        await asyncio.to_thread(work)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        t0 = time.perf_counter()
         namespace = check_auth(request)
         req = await parse(request, ChatCompletionRequest)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        try:
-            prompt_ids = engine.tokenizer.encode_chat(messages, add_generation_prompt=True)
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
-        history = history_boundary(engine.tokenizer, messages, prompt_ids)
-        greq = engine_request(req, prompt_ids, req.max_completion_tokens or req.max_tokens, namespace, history)
-        h = submit(greq)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "invalid parameter 'top_logprobs': it needs logprobs: true", param="top_logprobs")
+        messages = [m.for_template() for m in req.messages]
+        kwargs = dict(req.chat_template_kwargs or {})
+        reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise APIError(400, f"invalid parameter 'chat_template_kwargs': '{reserved[0]}' is set by the server",
+                           param="chat_template_kwargs")
+        tools = req.tools if req.tools and req.tool_choice != "none" else None
+        if tools:
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
+
+        def encode():
+            try:
+                text = tok.render_chat(messages, add_generation_prompt=True, **kwargs)
+            except (ValueError, TypeError) as e:
+                raise APIError(400, str(e), param="messages") from None
+            check_length(len(text), "messages")
+            ids = tok.encode(text)
+            return ids, history_boundary(tok, messages, ids, **kwargs)
+
+        prompt_ids, history = await asyncio.to_thread(encode)
+        ns = namespace + ":" + (req.cache_salt or "")
+        handles = submit(engine_requests(req, prompt_ids, req.max_completion_tokens or req.max_tokens, namespace,
+                                         history, (req.top_logprobs or 0) if req.logprobs else None))
         rid, now = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
-        def body(h):
-            return {"id": rid, "object": "chat.completion", "created": now, "model": model_name,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": h.text},
-                                 "finish_reason": _finish(h.finish_reason), "logprobs": None}],
-                    "usage": usage(h)}
+        def finish(h, calls):
+            reason = _finish(h.finish_reason)
+            return "tool_calls" if calls and reason == "stop" else reason
 
-        def chunk(h, delta, finish):
+        def answer_of(content, calls) -> dict:
+            return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+
+        def chunk(i, delta, finish_reason, logprobs=None):
             return {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model_name,
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+                    "choices": [{"index": i, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}]}
+
+        if not req.stream:
+            first = await drain(request, handles)
+            choices = []
+            for i, h in enumerate(handles):
+                content, calls = fmt.split_tool_calls(h.text, tools) if tools else (h.text, [])
+                choices.append({"index": i, "message": answer_of(content, calls), "finish_reason": finish(h, calls),
+                                "logprobs": fmt.chat_logprobs(tok, scored(h)) if req.logprobs else None})
+            log_request("chat", handles, t0, first)
+            await remember_next_turn(messages, Message.model_validate(choices[0]["message"]).for_template(),
+                                     prompt_ids, handles[0], ns, kwargs)
+            return JSONResponse({"id": rid, "object": "chat.completion", "created": now, "model": model_name,
+                                 "choices": choices, "usage": usage(handles)})
 
         include = bool(req.stream_options and req.stream_options.include_usage)
-        return await run(h, body, chunk, include, req.stream, chat=True)
+
+        async def sse():
+            streams = [fmt.ToolCallStream(tools) if tools else None for _ in handles]
+            texts, first = [""] * len(handles), None
+            try:
+                for i in range(len(handles)):  # chat streams open with the role
+                    yield _sse(chunk(i, {"role": "assistant", "content": ""}, None))
+                async for i, ev in merged(handles):
+                    h, ts = handles[i], streams[i]
+                    first = first or time.perf_counter()
+                    if ev.finish_reason == "error":
+                        yield _sse({"error": {"message": "generation failed", "type": "server_error", "param": None,
+                                              "code": None}})
+                        return
+                    content, calls = ts.push(ev.text) if ts else (ev.text, [])
+                    if ev.finish_reason is not None and ts:
+                        rest, more = ts.flush()
+                        content, calls = content + rest, calls + more
+                    lp = None
+                    if req.logprobs and ev.logprob is not None and ev.token_id not in h.request.stop_ids:
+                        lp = fmt.chat_logprobs(tok, [(ev.token_id, (ev.logprob, ev.top_logprobs))])
+                    texts[i] += content
+                    if content or lp:
+                        yield _sse(chunk(i, {"content": content}, None, lp))
+                    for c in calls:
+                        k = ts.calls.index(c)
+                        yield _sse(chunk(i, {"tool_calls": [{"index": k, **c}]}, None))
+                    if ev.finish_reason is not None:
+                        final = chunk(i, {}, finish(h, ts.calls if ts else []))
+                        final["usage"] = usage([h])
+                        yield _sse(final)
+                if include:
+                    tail = chunk(0, {}, None)
+                    tail["choices"], tail["usage"] = [], usage(handles)
+                    yield _sse(tail)
+                log_request("chat stream", handles, t0, first)
+                ts0 = streams[0]
+                content0 = (texts[0].strip() or None) if ts0 and ts0.calls else texts[0]
+                answer = Message.model_validate(answer_of(content0, ts0.calls if ts0 else [])).for_template()
+                await remember_next_turn(messages, answer, prompt_ids, handles[0], ns, kwargs)
+                yield "data: [DONE]\n\n"
+            finally:
+                for h in handles:
+                    h.cancel()  # a client that went away frees its slot at the next step
+
+        return StreamingResponse(sse(), media_type="text/event-stream")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
+        t0 = time.perf_counter()
         namespace = check_auth(request)
         req = await parse(request, CompletionRequest)
-        prompt_ids = req.prompt if isinstance(req.prompt, list) else engine.tokenizer.encode(req.prompt)
-        h = submit(engine_request(req, list(prompt_ids), req.max_tokens, namespace))
+        if req.echo and req.logprobs is not None:
+            raise APIError(400, "invalid parameter 'echo': echo with logprobs (prompt log-probabilities) is not "
+                           "supported", param="echo")
+        if isinstance(req.prompt, list):
+            prompt_ids = list(req.prompt)
+        else:
+            check_length(len(req.prompt), "prompt")
+            prompt_ids = await asyncio.to_thread(tok.encode, req.prompt)
+        handles = submit(engine_requests(req, prompt_ids, req.max_tokens, namespace, logprobs=req.logprobs))
+        echo = ((req.prompt if isinstance(req.prompt, str) else await asyncio.to_thread(tok.decode, prompt_ids))
+                if req.echo else "")
         rid, now = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
-        def body(h):
+        def chunk(i, text, finish_reason, logprobs=None):
             return {"id": rid, "object": "text_completion", "created": now, "model": model_name,
-                    "choices": [{"index": 0, "text": h.text, "finish_reason": _finish(h.finish_reason), "logprobs": None}],
-                    "usage": usage(h)}
+                    "choices": [{"index": i, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}]}
 
-        def chunk(h, delta, finish):
-            return {"id": rid, "object": "text_completion", "created": now, "model": model_name,
-                    "choices": [{"index": 0, "text": delta.get("content", ""), "finish_reason": finish, "logprobs": None}]}
+        if not req.stream:
+            first = await drain(request, handles)
+            log_request("completion", handles, t0, first)
+            choices = [{"index": i, "text": echo + h.text, "finish_reason": _finish(h.finish_reason),
+                        "logprobs": fmt.completion_logprobs(tok, scored(h)) if req.logprobs is not None else None}
+                       for i, h in enumerate(handles)]
+            return JSONResponse({"id": rid, "object": "text_completion", "created": now, "model": model_name,
+                                 "choices": choices, "usage": usage(handles)})
 
         include = bool(req.stream_options and req.stream_options.include_usage)
-        return await run(h, body, chunk, include, req.stream, chat=False)
+
+        async def sse():
+            offsets, first = [len(echo)] * len(handles), None
+            try:
+                if echo:
+                    for i in range(len(handles)):
+                        yield _sse(chunk(i, echo, None))
+                async for i, ev in merged(handles):  # completions streams open with the first text
+                    h = handles[i]
+                    first = first or time.perf_counter()
+                    if ev.finish_reason == "error":
+                        yield _sse({"error": {"message": "generation failed", "type": "server_error", "param": None,
+                                              "code": None}})
+                        return
+                    lp = None
+                    if req.logprobs is not None and ev.logprob is not None and ev.token_id not in h.request.stop_ids:
+                        lp = fmt.completion_logprobs(tok, [(ev.token_id, (ev.logprob, ev.top_logprobs))], offsets[i])
+                    if ev.text or lp:
+                        yield _sse(chunk(i, ev.text, None, lp))
+                        offsets[i] += len(ev.text)
+                    if ev.finish_reason is not None:
+                        final = chunk(i, "", _finish(ev.finish_reason))
+                        final["usage"] = usage([h])
+                        yield _sse(final)
+                if include:
+                    tail = chunk(0, "", None)
+                    tail["choices"], tail["usage"] = [], usage(handles)
+                    yield _sse(tail)
+                log_request("completion stream", handles, t0, first)
+                yield "data: [DONE]\n\n"
+            finally:
+                for h in handles:
+                    h.cancel()
+
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "hybridjax",
+                "max_model_len": engine.max_len}
 
     @app.get("/v1/models")
     async def models(request: Request):
         check_auth(request)
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "hybridjax", "max_model_len": engine.max_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        check_auth(request)
+        if model_id != model_name:
+            raise APIError(404, f"the model '{model_id}' does not exist; this server serves '{model_name}'",
+                           param="model", code="model_not_found")
+        return model_card()
 
     @app.get("/health")
     async def health():
@@ -281,10 +542,25 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, c
     return app
 
 
-def _pydantic_error(errors) -> JSONResponse:
-    err = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    param = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or None
-    return error_response(400, f"invalid parameter '{param}': {err.get('msg')}", param=param)
+def _unencodable_string(body) -> str | None:
+    """The path ('messages.0.content') of the first string or key that is not valid Unicode
+    (JSON lets a lone surrogate through; the tokenizer cannot encode it). Iterative: the body may
+    be as deep as the JSON parser allows."""
+    stack = [((), body)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return ".".join(map(str, path)) or None
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                stack.append((path + (k,), k))
+                stack.append((path + (k,), x))
+        elif isinstance(v, list):
+            stack.extend((path + (i,), x) for i, x in enumerate(v))
+    return None
 
 
 def _finish(reason: str | None) -> str | None:
@@ -302,8 +578,9 @@ def serve(sc: ServerConfig, cfg, params, tokenizer, name: str) -> int:
     engine, _ = build_engine(sc, cfg, params, tokenizer, name)
     if sc.cache_dir:
         Path(sc.cache_dir).mkdir(parents=True, exist_ok=True)
-    app = create_app(engine, name, api_key=sc.api_key, cache_dir=sc.cache_dir if sc.prefix_cache else None,
-                     warmup=sc.warmup)
+    app = create_app(engine, name, api_key=sc.api_key, api_keys=sc.api_keys,
+                     cache_dir=sc.cache_dir if sc.prefix_cache else None, warmup=sc.warmup,
+                     max_body_bytes=sc.max_body_bytes)
     log.info("serving %s on http://%s:%d", name, sc.host, sc.port)
     uvicorn.run(app, host=sc.host, port=sc.port, log_level="info", timeout_graceful_shutdown=5)
     return 0

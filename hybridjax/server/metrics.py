@@ -23,7 +23,8 @@ class _Collector:
         e = self.engine
         for name, help_ in (("requests", "requests submitted"), ("tokens_generated", "tokens generated"),
                             ("steps", "batched decode steps"), ("rejected_queue_full", "requests refused: queue full"),
-                            ("errors", "engine errors")):
+                            ("errors", "engine errors"),
+                            ("background_prefills", "idle-time prefills of a next chat turn's prefix")):
             c = CounterMetricFamily(f"hybridjax_{name}", help_)
             c.add_metric([], e.counters.get(name, 0))
             yield c

@@ -1,14 +1,30 @@
 """Request bodies of the OpenAI-style endpoints, validated by pydantic.
 
 Ranges follow OpenAI's API where it defines them; hybridjax extensions (top_k, min_p,
-repetition_penalty, cache_salt) follow vLLM's names. Unknown fields are ignored.
+repetition_penalty, cache_salt, chat_template_kwargs) follow vLLM's names. A field this server
+does not implement is an error that says so (`unsupported_fields`), never silently ignored;
+only fields that change nothing about the output (`user`, `metadata`, ...) are accepted and
+ignored. Floats must be finite.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Union
+import json
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+SEED_LIMIT = 2**32  # the sampler's key is a uint32; -1 means "random"
+TOP_K_LIMIT = 2**31  # an int32 on the device
+MAX_LOGPROBS = 20  # alternatives per token the engine computes at most
+MAX_N = 16
+
+# Accepted and ignored: they do not change what is generated.
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 class TextPart(BaseModel):
@@ -17,10 +33,27 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: Union[str, dict] = "{}"
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Union[str, list[TextPart], None] = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # a tool's answer
+    reasoning_content: str | None = None  # an assistant's thinking, for templates that render it
 
     def text(self) -> str:
         if self.content is None:
@@ -29,30 +62,73 @@ class Message(BaseModel):
             return self.content
         return "".join(p.text for p in self.content)
 
+    def for_template(self) -> dict:
+        """The message as chat templates read it. Tool-call arguments become objects: Qwen3.5's
+        template iterates them (`arguments|items`), Qwen3's prints a string or `tojson`s an
+        object (vLLM does the same conversion)."""
+        m: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            if getattr(self, key) is not None:
+                m[key] = getattr(self, key)
+        if self.tool_calls:
+            m["tool_calls"] = [{"id": c.id, "type": "function",
+                                "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                               for c in self.tool_calls]
+        return m
+
+
+def _arguments(a):
+    if isinstance(a, dict):
+        return a
+    try:
+        v = json.loads(a)
+    except ValueError:
+        return a
+    return v if isinstance(v, dict) else a
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDef
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+class SamplingFields(_Strict):
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)
+    top_k: int = Field(default=0, ge=-1, lt=TOP_K_LIMIT)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0)
-    seed: int | None = None
+    # vLLM accepts any value > 0; a tiny one divides logits into infinities. 0.01..100 is wider
+    # than any useful setting (1.0..1.5 in practice).
+    repetition_penalty: float = Field(default=1.0, ge=0.01, le=100.0)
+    seed: int | None = Field(default=None, ge=-1, lt=SEED_LIMIT)
     stop: Union[str, list[str], None] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
     cache_salt: str | None = Field(default=None, max_length=256)
-    user: str | None = None
+    response_format: ResponseFormat | None = None
 
     @field_validator("stop")
     @classmethod
@@ -62,16 +138,42 @@ class SamplingFields(BaseModel):
             raise ValueError("at most 4 non-empty stop strings")
         return stops
 
+    @field_validator("response_format")
+    @classmethod
+    def _format(cls, v):
+        if v is not None and v.type != "text":
+            raise ValueError(f"response_format type '{v.type}' is not supported by this server "
+                             "(no constrained decoding); only 'text'")
+        return v
+
+    def unsupported_fields(self) -> list[str]:
+        """Fields the client sent that this server does not implement."""
+        return sorted(k for k in (self.model_extra or {}) if k not in IGNORED_FIELDS)
+
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], dict, None] = None
+    chat_template_kwargs: dict | None = None  # e.g. {"enable_thinking": false} for Qwen3.5 templates
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v):
+        if v == "required" or isinstance(v, dict):
+            raise ValueError("only tool_choice 'auto' and 'none' are supported (forcing a call needs "
+                             "constrained decoding, which this server does not do)")
+        return v
 
 
 class CompletionRequest(SamplingFields):
     prompt: Union[str, list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
     echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("prompt")
     @classmethod

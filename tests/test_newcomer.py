@@ -1,0 +1,122 @@
+"""A newcomer's path (issue 14, part 4): the README's continuation example as written, generation
+stopping at end-of-turn tokens by default, text in / text out, the CLI's --help / --version /
+errors, and docs that stay inside the repository."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+import hybridjax
+from hybridjax import cli
+from hybridjax.default_model import WEIGHTS_DIR, tiny_test_model
+from hybridjax.generate import generate, stream
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def readme_block(start: str, end: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    i = text.index(start)
+    return text[i:text.index(end, i) + len(end)]
+
+
+def test_the_readme_continuation_example_runs_as_written():
+    """It failed with 'sequence of 138 tokens exceeds the cache's max_len of 80' when the first
+    call sized its cache for itself only."""
+    cfg, params, tok = tiny_test_model()
+    code = readme_block("from hybridjax.generate import generate, stream", "# kept is untouched")
+    prompt_ids = tok.encode("x" * 10)
+    next_ids = tok.encode("y" * 10)
+    scope = {"params": params, "cfg": cfg, "prompt_ids": prompt_ids, "next_ids": next_ids}
+    exec(code, scope)
+    out, more = scope["out"], scope["more"]
+    assert more.cache.lengths[0] > out.cache.lengths[0] >= len(prompt_ids)
+
+
+def test_generate_and_stream_stop_at_the_models_end_of_turn_by_default():
+    cfg, params, tok = tiny_test_model()
+    prompt = tok.encode("z" * 10)  # the README test's shapes: its compiled program serves `free`
+    free = generate(params, cfg, [prompt], max_new_tokens=64, stop_ids=()).token_lists()[0][:8]
+    eot = free[3]  # pretend this token ends a turn for this model
+    cut = free[: free.index(eot) + 1]
+    cfg_eot = dataclasses.replace(cfg, eos_token_id=(eot,))
+    assert generate(params, cfg_eot, [prompt], max_new_tokens=8).token_lists()[0] == cut
+    assert list(stream(params, cfg_eot, prompt, max_new_tokens=8)) == cut
+    assert generate(params, cfg_eot, [prompt], max_new_tokens=8, stop_ids=()).token_lists()[0] == free
+
+
+def test_load_model_text_in_text_out(tmp_path):
+    model = hybridjax.load_model(WEIGHTS_DIR)  # the embedded default model's HF directory
+    msgs = [{"role": "user", "content": "What does json.dumps do?"}]
+    text = model.generate(msgs, max_new_tokens=12)
+    assert isinstance(text, str) and text and "<|im_end|>" not in text
+    prompt = model.tokenizer.render_chat(msgs)  # messages go through the chat template
+    assert model.generate(prompt, max_new_tokens=12) == text
+    ids = generate(model.params, model.cfg, [model.tokenizer.encode(prompt)], max_new_tokens=12,
+                   stop_ids=model.stop_ids).token_lists()[0]
+    assert text == model.tokenizer.decode([t for t in ids if t not in model.stop_ids], skip_special_tokens=True)
+    assert "".join(model.stream(msgs, max_new_tokens=12)) == text
+    with pytest.raises(FileNotFoundError):
+        hybridjax.load_model(tmp_path / "missing")
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        hybridjax.load_model(tmp_path)
+
+
+def test_cli_help_shows_defaults_version_and_plain_errors(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"hybridjax {hybridjax.__version__}"
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    help_text = capsys.readouterr().out
+    for flag, default in (("--slots", "4"), ("--port", "8000"), ("--max-len", "4096"), ("--max-body-mb", "8.0")):
+        assert re.search(re.escape(flag) + r"[\s\S]*?\(default: " + re.escape(default) + r"\)", help_text), flag
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--slots", "many"])
+    err = capsys.readouterr().err
+    assert "--slots" in err and "_positive_int" not in err
+    from hybridjax.sampling import sampling_params
+
+    with pytest.raises(ValueError) as e:
+        sampling_params(1, temperature=-1.0)
+    assert "np." not in str(e.value) and "-1.0" in str(e.value)
+
+
+def test_docs_live_in_the_repository():
+    assert (ROOT / "docs" / "architecture.md").is_file()
+    readme = (ROOT / "README.md").read_text()
+    assert "docs/architecture.md" in readme and "notebooks/" in readme and "tokenizer.json" in readme
+    files = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]
+    for d in ("hybridjax", "pallas_kernels", "conversion", "benchmarks"):
+        files += [p for p in (ROOT / d).rglob("*") if p.suffix in (".py", ".md")]
+    outside = [str(p.relative_to(ROOT)) for p in files if re.search(r"\.\./shared|shared/DESIGN", p.read_text())]
+    assert outside == []
+
+
+def test_serve_logs_the_model_its_size_and_load_time(monkeypatch, caplog):
+    import logging
+
+    import hybridjax.server
+
+    seen = {}
+    monkeypatch.setattr(hybridjax.server, "serve", lambda sc, cfg, params, tok, name: seen.update(name=name) or 0)
+    with caplog.at_level(logging.INFO):
+        assert cli.main(["serve", "--no-compile-cache", "--port", "8123"]) == 0
+    assert seen["name"] == "hybridjax-default"
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("loaded "))
+    assert re.search(r"loaded hybridjax-default: [\d.]+M parameters, [\d.]+ MB .* in [\d.]+ s", line), line
+
+
+def test_api_key_file(tmp_path):
+    f = tmp_path / "keys"
+    f.write_text("# team keys\nkey-a\n\n  key-b  \n")
+    assert cli.read_api_keys(str(f)) == ("key-a", "key-b")
+    f.write_text("# none yet\n")
+    with pytest.raises(cli.CLIError, match="holds no keys"):
+        cli.read_api_keys(str(f))
+    with pytest.raises(cli.CLIError, match="cannot read"):
+        cli.read_api_keys(str(tmp_path / "missing"))
