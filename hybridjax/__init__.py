@@ -9,6 +9,7 @@ from hybridjax.cache import Cache, GDNState, KVState, init_cache, reserve
 from hybridjax.config import Config, ConfigError, config_from_dict, load_config
 from hybridjax.model import forward
 from hybridjax.params import Params, init_params
+from hybridjax.sharding import MeshError, make_mesh, shard_cache, shard_params
 
 __version__ = "0.1.0"
 
@@ -30,5 +31,6 @@ def load(path, dtype=None):
 
 __all__ = [
     "Cache", "Config", "ConfigError", "GDNState", "KVState", "Params", "config_from_dict",
-    "forward", "init_cache", "init_params", "load", "load_config", "load_hf", "reserve",
+    "MeshError", "forward", "init_cache", "init_params", "load", "load_config", "load_hf", "make_mesh", "reserve",
+    "shard_cache", "shard_params",
 ]

@@ -209,7 +209,7 @@ def generate(
     out_len = length_bucket(int(max_new.max()))
     tokens, counts = pad_prompts(prompts)
     if cache is None:
-        cache = init_cache(cfg, b, max_len or (tokens.shape[1] + out_len))
+        cache = init_cache(cfg, b, max_len or (tokens.shape[1] + out_len), mesh=params.mesh)
     cache = reserve(cache, counts + max_new)
     sp = sampling if sampling is not None else sampling_params(b)
     sampler = init_sampler(sp, seeds if seeds is not None else [0] * b, cfg.vocab_size, tokens, counts)
@@ -240,7 +240,7 @@ def stream(
     if not prompt:
         raise ValueError("stream: the prompt needs at least one token")
     if cache is None:
-        cache = init_cache(cfg, 1, max_len or len(prompt) + max_new_tokens)
+        cache = init_cache(cfg, 1, max_len or len(prompt) + max_new_tokens, mesh=params.mesh)
     tokens, counts = pad_prompts([prompt])
     sampler = init_sampler(sampling or sampling_params(1), [seed], cfg.vocab_size, tokens, counts)
     logits, cache = prefill(params, tokens, cache, cfg, counts)

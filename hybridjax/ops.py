@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from hybridjax import cpu_kernels
+from hybridjax import cpu_kernels, sharding
 from pallas_kernels.gated_delta_rule import chunk_gated_delta_rule
 from pallas_kernels.paged_attention import paged_attention  # noqa: F401  (the model's one way in)
 
@@ -34,7 +34,8 @@ def dense(x: Array, w: Array, dtype=None, transposed: bool = False) -> Array:
     lead, n_in = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, n_in)
     xla = functools.partial(_xla_dot, transposed=transposed)
-    if cpu_kernels.supports(rows.shape[0], x.dtype, w.dtype) and cpu_kernels.enabled():
+    if (cpu_kernels.supports(rows.shape[0], x.dtype, w.dtype) and sharding.current_mesh() is None
+            and cpu_kernels.enabled()):
         kernel = functools.partial(cpu_kernels.matmul, transposed=transposed)
         y = jax.lax.platform_dependent(rows, w, cpu=kernel, default=xla)
     else:
@@ -159,7 +160,17 @@ def write_kv_paged(pages: Array, new: Array, table: Array, starts: Array, valid:
 
 
 def delta_rule(q, k, v, g, beta, state, implementation=None):
-    """The gated delta rule with q/k L2-normalised inside; see pallas_kernels.gated_delta_rule."""
-    return chunk_gated_delta_rule(
-        q, k, v, g, beta, initial_state=state, use_qk_l2norm_in_kernel=True, implementation=implementation
-    )
+    """The gated delta rule with q/k L2-normalised inside; see pallas_kernels.gated_delta_rule.
+
+    Under a multi-device mesh (`sharding.mesh_scope`) it runs per head shard in `shard_map`:
+    heads are independent, so nothing is communicated inside, and the kernels see local shapes.
+    """
+    rule = functools.partial(chunk_gated_delta_rule, use_qk_l2norm_in_kernel=True, implementation=implementation)
+    mesh = sharding.current_mesh()
+    if mesh is None:
+        return rule(q, k, v, g, beta, initial_state=state)
+    in_specs, out_specs = sharding.delta_rule_specs(mesh, q.shape[0], q.shape[2])
+    local = lambda q, k, v, g, beta, s: rule(q, k, v, g, beta, initial_state=s)  # noqa: E731
+    # check_vma off: the Pallas kernels do not declare how their outputs vary over the mesh.
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
+        q, k, v, g, beta, state)
