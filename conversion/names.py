@@ -21,6 +21,9 @@ class Rule:
     params: tuple[str, ...]  # param leaf paths, e.g. "layers.3.mixer.q_proj"
     to_params: Callable[..., tuple]  # (*hf arrays) -> tuple of param arrays
     to_hf: Callable[..., tuple]  # (*param arrays) -> tuple of hf arrays
+    # "copy", "linear" or "stack" when one param's any slice can be read from slices of the HF
+    # tensors (sharded loading reads only a device's part); "" for fused layouts (read whole)
+    kind: str = ""
 
 
 def _same(x):
@@ -32,12 +35,12 @@ def _t(x):
 
 
 def copy(hf: str, path: str) -> Rule:
-    return Rule((hf,), (path,), _same, _same)
+    return Rule((hf,), (path,), _same, _same, "copy")
 
 
 def linear(hf: str, path: str) -> Rule:
     """nn.Linear weight [out, in] <-> our [in, out]."""
-    return Rule((hf,), (path,), _t, _t)
+    return Rule((hf,), (path,), _t, _t, "linear")
 
 
 def conv(hf: str, path: str) -> Rule:
@@ -96,6 +99,7 @@ def stacked_experts(names: Sequence[str], path: str) -> Rule:
         tuple(names), (path,),
         lambda *ws: (np.ascontiguousarray(np.stack([w.T for w in ws])),),
         lambda s: tuple(np.ascontiguousarray(w.T) for w in s),
+        "stack",
     )
 
 

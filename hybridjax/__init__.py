@@ -14,19 +14,21 @@ from hybridjax.sharding import MeshError, make_mesh, shard_cache, shard_params
 __version__ = "0.1.0"
 
 
-def load_hf(model_dir, dtype="float32"):
-    """(Config, Params) from a Hugging Face model directory; see `conversion.hf.load_hf`."""
+def load_hf(model_dir, dtype="float32", mesh=None):
+    """(Config, Params) from a Hugging Face model directory; see `conversion.hf.load_hf`.
+    `mesh` (from `make_mesh`): each device receives its shard as the tensors are read."""
     # The facade reaches down into conversion lazily; nothing below it imports conversion.
     from conversion.hf import load_hf as _load_hf
 
-    return _load_hf(model_dir, dtype=dtype)
+    return _load_hf(model_dir, dtype=dtype, mesh=mesh)
 
 
-def load(path, dtype=None):
-    """(Config, Params) from an HF model directory or a converted hybridjax checkpoint."""
+def load(path, dtype=None, mesh=None):
+    """(Config, Params) from an HF model directory or a converted hybridjax checkpoint, placed on
+    `mesh` shard by shard when given."""
     from conversion import load as _load
 
-    return _load(path, dtype=dtype)
+    return _load(path, dtype=dtype, mesh=mesh)
 
 
 __all__ = [

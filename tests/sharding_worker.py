@@ -1,0 +1,102 @@
+"""The body of tests/test_sharding.py, run in a subprocess with 8 host devices.
+
+JAX fixes its device count at start-up, so the mesh cases run here, all in one process (JAX's
+start and the single-device reference are paid once), and print one JSON report the test
+asserts on. `python tests/sharding_worker.py OUT_DIR [--engine]`; XLA_FLAGS must ask for 8
+host devices before this file imports jax.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import hybridjax  # noqa: E402
+from hybridjax.generate import generate  # noqa: E402
+
+# (spec, devices): every mesh the issue names, on a prefix of the 8 host devices.
+MESHES = (("tensor=2", 2), ("tensor=4", 4), ("expert=4", 4), ("data=2,tensor=2", 4))
+PROMPTS = ([5, 17, 42, 7, 99, 3, 250, 11, 64], [8, 1, 200, 33])  # ragged: right padding in play
+NEW = 8
+
+
+def build_models(root: Path) -> dict[str, Path]:
+    """Tiny HF checkpoints whose head counts divide by 4: Qwen3.5 dense (split projections, tied
+    embeddings) and Qwen3-Next MoE (fused in_proj_qkvz / in_proj_ba, per-expert tensors, Hv = 2 Hk,
+    a dense layer among the MoE ones)."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3NextConfig, Qwen3NextForCausalLM
+
+    import hf_models
+
+    tiny = dict(hf_models.TINY, num_attention_heads=8, num_key_value_heads=4, linear_num_key_heads=4)
+    torch.manual_seed(11)
+    dense = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**tiny, intermediate_size=64, linear_num_value_heads=4,
+                                                 tie_word_embeddings=True)).eval()
+    torch.manual_seed(12)
+    moe = Qwen3NextForCausalLM(Qwen3NextConfig(**tiny, **hf_models.MOE, intermediate_size=48, linear_num_value_heads=8,
+                                               mlp_only_layers=[1], full_attention_interval=2)).eval()
+    return {"dense": hf_models._save(dense, root / "dense", 11), "moe": hf_models._save(moe, root / "moe", 12)}
+
+
+def shard_shapes(params) -> dict[str, list]:
+    """A few leaves' shard shape on every device (all devices must agree on it)."""
+    from conversion.hf import flat_leaves
+
+    out = {}
+    for path, x in flat_leaves(params.replace(mesh=None)).items():
+        shapes = {tuple(s.data.shape) for s in x.addressable_shards}
+        out[path] = [list(x.shape), [list(s) for s in sorted(shapes)], len(x.addressable_shards)]
+    return out
+
+
+def run_case(params, cfg) -> dict:
+    """Greedy `generate` (one compiled program: prefill, then decode in a while loop) on a cache
+    made by init_cache(mesh=...); its logits are those after every row's last token."""
+    cache = hybridjax.init_cache(cfg, len(PROMPTS), 64, mesh=params.mesh)
+    gen = generate(params, cfg, list(PROMPTS), max_new_tokens=NEW, cache=cache)
+    gdn = gen.cache.layers[cfg.layer_types.index("linear_attention")]
+    kv = gen.cache.layers[cfg.layer_types.index("full_attention")]
+    return {
+        "logits": np.asarray(gen.logits), "tokens": gen.token_lists(),
+        "ssm_spec": str(getattr(gdn.ssm.sharding, "spec", None)),
+        "kv_spec": str(getattr(kv.k.sharding, "spec", None)),
+    }
+
+
+def main(out_dir: str, engine: bool = False) -> dict:
+    root = Path(out_dir)
+    report = {"devices": jax.device_count(), "cases": {}, "timings": {}}
+    t0 = time.perf_counter()
+    dirs = build_models(root)
+    report["timings"]["build"] = time.perf_counter() - t0
+    for name, d in dirs.items():
+        t = time.perf_counter()
+        cfg, params = hybridjax.load_hf(d, dtype="float32")
+        ref = run_case(params, cfg)
+        report["timings"][f"{name}:one device"] = time.perf_counter() - t
+        for spec, n in MESHES:
+            t = time.perf_counter()
+            mesh = hybridjax.make_mesh(spec, devices=jax.devices()[:n])
+            _, sharded = hybridjax.load_hf(d, dtype="float32", mesh=mesh)
+            got = run_case(sharded, cfg)
+            report["cases"][f"{name}:{spec}"] = {
+                "logits_err": float(np.abs(got["logits"] - ref["logits"]).max()),
+                "logits_scale": float(np.abs(ref["logits"]).max()),
+                "tokens": got["tokens"], "ref_tokens": ref["tokens"],
+                "ssm_spec": got["ssm_spec"], "kv_spec": got["kv_spec"],
+                "shards": shard_shapes(sharded), "mesh_devices": n,
+            }
+            report["timings"][f"{name}:{spec}"] = time.perf_counter() - t
+    return report
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1], "--engine" in sys.argv)))
