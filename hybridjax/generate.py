@@ -49,6 +49,15 @@ def pad_prompts(prompts: Sequence[Sequence[int]], bucket: int | None = None) -> 
     return tokens, counts
 
 
+def host_value(x) -> np.ndarray:
+    """x as a numpy array, gathered from every process when it spans several (multi-host meshes)."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 # --- sampler state -----------------------------------------------------------------------
 
 
@@ -150,7 +159,7 @@ class Generation:
     logits: Array  # [B, vocab] after each row's last token (what a continuation samples from)
 
     def token_lists(self) -> list[list[int]]:
-        toks, n = np.asarray(self.tokens), np.asarray(self.n_generated)
+        toks, n = host_value(self.tokens), host_value(self.n_generated)
         return [toks[row, : n[row]].tolist() for row in range(toks.shape[0])]
 
 
