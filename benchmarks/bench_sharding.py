@@ -34,12 +34,25 @@ GB = 1e9
 # --- on paper -------------------------------------------------------------------------------
 
 
+PAPER_MODELS = {
+    # transformers' defaults (checked: hidden 2048, 48 layers 3:1, 512 experts top-10 of width 512
+    # + shared 512, attention 16q/2kv x 256, GDN 16qk/32v x 128, vocab 151936)
+    "Qwen3-Next-80B-A3B (Qwen3NextConfig defaults)": ("next", {}),
+    # transformers' Qwen3.5-MoE defaults: 40 layers, 256 experts top-8, vocab 248320 (~35B)
+    "Qwen3.5-MoE (Qwen3_5MoeTextConfig defaults, ~35B-A3B)": ("3_5", {}),
+    # not a published config: the Qwen3.5-MoE layout at the 80B model's depth and expert count
+    "Qwen3.5-MoE at 80B shape (48 layers, 512 experts top-10; hypothetical)": (
+        "3_5", {"num_hidden_layers": 48, "num_experts": 512, "num_experts_per_tok": 10}),
+}
+
+
 def _hf_config(name: str):
     from transformers import Qwen3_5MoeTextConfig, Qwen3NextConfig
 
     from hybridjax.config import config_from_dict
 
-    hf = {"qwen3_next_80b_a3b": Qwen3NextConfig, "qwen3_5_moe_default": Qwen3_5MoeTextConfig}[name]()
+    kind, over = PAPER_MODELS[name]
+    hf = (Qwen3NextConfig if kind == "next" else Qwen3_5MoeTextConfig)(**over)
     return config_from_dict(hf.to_dict())
 
 
@@ -104,17 +117,27 @@ PAPER_MESHES = (
 )
 
 
-def print_paper() -> None:
-    for name in ("qwen3_next_80b_a3b", "qwen3_5_moe_default"):
+def print_paper(device_gb: float = 80.0, context: int = 32768) -> None:
+    """Markdown tables (docs/sharding.md carries them)."""
+    for name in PAPER_MODELS:
         cfg = _hf_config(name)
-        print(f"\n{name}: hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers "
-              f"({sum(t == 'full_attention' for t in cfg.layer_types)} full), {cfg.num_experts} experts top-"
-              f"{cfg.num_experts_per_tok} (width {cfg.moe_intermediate_size}), attention {cfg.num_attention_heads}q/"
-              f"{cfg.num_key_value_heads}kv x {cfg.head_dim}, GDN {cfg.linear_num_key_heads}qk/{cfg.linear_num_value_heads}v x "
-              f"{cfg.linear_key_head_dim}, vocab {cfg.vocab_size}; bf16 weights and KV, float32 GDN state")
+        print(f"\n**{name}**: hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers "
+              f"({sum(t == 'full_attention' for t in cfg.layer_types)} full attention), {cfg.num_experts} experts top-"
+              f"{cfg.num_experts_per_tok} (width {cfg.moe_intermediate_size}, shared {cfg.shared_expert_intermediate_size}), "
+              f"attention {cfg.num_attention_heads}q/{cfg.num_key_value_heads}kv x {cfg.head_dim}, GDN "
+              f"{cfg.linear_num_key_heads}qk/{cfg.linear_num_value_heads}v x {cfg.linear_key_head_dim}, vocab {cfg.vocab_size}\n")
+        print("| mesh | weights GB/dev (total) | KV KB/token/dev | GDN state MB/seq/dev | "
+              f"seqs of {context // 1024}k in {device_gb:.0f} GB | collectives/token | all-reduce KB | conv reshard KB | "
+              "logits gather KB | ring KB/dev |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for label, sizes in PAPER_MESHES:
             r = paper(cfg, sizes)
-            print(f"  {label:52s} " + "  ".join(f"{k} {v:.4g}" for k, v in r.items()))
+            free = device_gb - r["weights_per_device_GB"]
+            per_seq_gb = (r["gdn_state_per_seq_per_device_MB"] * 1e6 + context * r["kv_per_token_per_device_KB"] * 1e3) / GB
+            print(f"| {label} | {r['weights_per_device_GB']:.1f} ({r['weights_total_GB']:.0f}) | "
+                  f"{r['kv_per_token_per_device_KB']:.2f} | {r['gdn_state_per_seq_per_device_MB']:.1f} | "
+                  f"{int(free / per_seq_gb)} | {r['collectives_per_token']} | {r['allreduce_payload_KB']:.0f} | "
+                  f"{r['conv_reshard_KB']:.0f} | {r['logits_gather_KB']:.0f} | {r['ring_bytes_per_device_KB']:.0f} |")
 
 
 # --- measured ---------------------------------------------------------------------------------
@@ -175,19 +198,37 @@ def measure(batch: int, prompt: int, decode_steps: int, reps: int) -> None:
 
         run_decode()
         t_decode = min(run_decode() for _ in range(reps)) / decode_steps
+        hlo = _collectives(params, cache0, cfg, batch) if mesh else {}
         w = max(bytes_per_device(params).values())
         c = max(bytes_per_device(cache0).values())
         if ref is None:
             ref = (t_prefill, t_decode)
-        rows.append((label, n, t_prefill * 1e3, t_prefill / ref[0], t_decode * 1e3, t_decode / ref[1], w / 1e6, c / 1e6))
+        rows.append((label, n, t_prefill * 1e3, t_prefill / ref[0], t_decode * 1e3, t_decode / ref[1], w / 1e6, c / 1e6,
+                     " ".join(f"{k}:{v}" for k, v in sorted(hlo.items())) or "-"))
     print(f"model: {BENCH_CONFIG['num_hidden_layers']} layers, hidden {BENCH_CONFIG['hidden_size']}, "
           f"{BENCH_CONFIG['num_experts']} experts, float32; batch {batch}, prompt {prompt}, decode {decode_steps} steps; "
           f"best of {reps}. 8 XLA:CPU host devices on 2 shared cores (machine loaded by other jobs): the ratios "
           "show partitioning overhead, not accelerator speed-up.")
     print(f"{'mesh':20s} {'devs':>4s} {'prefill ms':>10s} {'x one':>6s} {'decode ms/step':>14s} {'x one':>6s} "
-          f"{'weights MB/dev':>14s} {'cache MB/dev':>12s}")
+          f"{'weights MB/dev':>14s} {'cache MB/dev':>12s}  collectives in one decode step (compiled HLO)")
     for r in rows:
-        print(f"{r[0]:20s} {r[1]:4d} {r[2]:10.1f} {r[3]:6.2f} {r[4]:14.2f} {r[5]:6.2f} {r[6]:14.2f} {r[7]:12.3f}")
+        print(f"{r[0]:20s} {r[1]:4d} {r[2]:10.1f} {r[3]:6.2f} {r[4]:14.2f} {r[5]:6.2f} {r[6]:14.2f} {r[7]:12.3f}  {r[8]}")
+
+
+def _collectives(params, cache, cfg, batch: int) -> dict:
+    """Collective ops XLA put in the compiled decode step, by kind (what the partitioner inserted)."""
+    import collections
+    import re
+
+    import jax.numpy as jnp
+
+    from hybridjax.cache import reserve
+    from hybridjax.generate import _decode_jit
+
+    tok, active = jnp.zeros((batch,), jnp.int32), jnp.ones((batch,), bool)
+    text = _decode_jit.lower(params, tok, active, reserve(cache, 1), cfg).compile().as_text()
+    kinds = r"(all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)"
+    return dict(collections.Counter(re.findall(rf"= \S+ {kinds}(?:-start)?\(", text)))
 
 
 def main(argv=None) -> int:

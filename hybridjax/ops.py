@@ -4,7 +4,8 @@ Precision policy (declared once, here): norms, softmax, gates and all recurrent 
 computed in float32; matmuls take the parameter dtype and accumulate in float32 (`dense`).
 The delta rule itself is chosen in `pallas_kernels.gated_delta_rule` (reference / xla /
 pallas); `delta_rule` below is the one place the model reaches it, as `paged_attention`
-(re-exported from `pallas_kernels.paged_attention`) is for attention over the engine's pages.
+(wrapping `pallas_kernels.paged_attention`) is for attention over the engine's pages; under a
+multi-device mesh both run per head shard in `shard_map`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 
 from hybridjax import cpu_kernels, sharding
 from pallas_kernels.gated_delta_rule import chunk_gated_delta_rule
-from pallas_kernels.paged_attention import paged_attention  # noqa: F401  (the model's one way in)
+from pallas_kernels.paged_attention import paged_attention as _paged_attention
 
 Array = jax.Array
 
@@ -157,6 +158,20 @@ def write_kv_paged(pages: Array, new: Array, table: Array, starts: Array, valid:
     page = jnp.take_along_axis(table, jnp.minimum(slot, table.shape[1] - 1), axis=1)
     page = jnp.where(valid & (slot < table.shape[1]), page, n_pages)  # out of range: dropped
     return pages.at[page, pos % size].set(new.astype(pages.dtype), mode="drop")
+
+
+def paged_attention(q, k_pages, v_pages, page_table, q_pos, *, scale=None, implementation=None):
+    """Attention over the engine's page pool (the model's one way in; see
+    pallas_kernels.paged_attention). Under a multi-device mesh it runs per KV-head shard in
+    `shard_map` (query head h reads KV head h // g, so contiguous shards line up): the Pallas
+    kernel is an opaque call XLA would otherwise run on a gathered pool."""
+    attend = functools.partial(_paged_attention, scale=scale, implementation=implementation)
+    mesh = sharding.current_mesh()
+    if mesh is None:
+        return attend(q, k_pages, v_pages, page_table, q_pos)
+    in_specs, out_spec = sharding.paged_attention_specs(mesh, q.shape[0], k_pages.shape[2])
+    return jax.shard_map(attend, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=False)(
+        q, k_pages, v_pages, page_table, q_pos)
 
 
 def delta_rule(q, k, v, g, beta, state, implementation=None):

@@ -277,6 +277,18 @@ def delta_rule_specs(mesh, batch: int, hk: int):
     return (qkv, qkv, qkv, gate, gate, state), (qkv, state)
 
 
+def paged_attention_specs(mesh, batch: int, hkv: int):
+    """shard_map specs for paged attention (q, k_pages, v_pages, table, q_pos) -> out: heads on
+    `tensor`; rows on `data` (the pool, shared by rows, is not split on data)."""
+    t = axis_size(mesh, "tensor")
+    if hkv % t:
+        raise MeshError(f"attention key/value heads (num_key_value_heads) = {hkv} does not divide evenly over tensor={t}")
+    b = batch_axis(mesh, batch)
+    q = P(b, None, "tensor", None)  # [B, T, Hq, Dh]
+    pool = P(None, None, "tensor", None)  # [P, S, Hkv, Dh]
+    return (q, pool, pool, P(b, None), P(b, None)), q
+
+
 # --- accounting --------------------------------------------------------------------------
 
 
