@@ -113,7 +113,7 @@ PAPER_MESHES = (
     ("8 GPUs: tensor=2,expert=4 (auto)", {"data": 1, "tensor": 2, "expert": 4}),
     ("8 GPUs: expert=8", {"data": 1, "tensor": 1, "expert": 8}),
     ("2x8: data=2,tensor=2,expert=4 (a replica per host)", {"data": 2, "tensor": 2, "expert": 4}),
-    ("2x8: tensor=2,expert=8 (experts across hosts)", {"data": 1, "tensor": 2, "expert": 8}),
+    ("2x8: expert=8,tensor=2 (experts across hosts)", {"data": 1, "tensor": 2, "expert": 8}),
 )
 
 

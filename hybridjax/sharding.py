@@ -78,19 +78,31 @@ def auto_sizes(n: int, cfg: Config | None = None) -> dict[str, int]:
     return {"data": rest, "tensor": tensor, "expert": 1}
 
 
+# Device order when a spec does not give one: `tensor` innermost (its all-reduces come every
+# layer: keep them on the fastest links, within a host), `data` outermost (no traffic).
+DEFAULT_ORDER = ("data", "expert", "tensor")
+
+
 def make_mesh(spec: str = "auto", cfg: Config | None = None, devices=None) -> Mesh:
-    """A `jax.sharding.Mesh` with axes (data, tensor, expert) over `devices` (default: all, every
-    process's). `spec` is "AXIS=SIZE,..." (sizes must multiply to the device count) or "auto"."""
+    """A `jax.sharding.Mesh` with axes data, tensor and expert over `devices` (default: all, every
+    process's). `spec` is "AXIS=SIZE,..." (sizes must multiply to the device count) or "auto".
+
+    Devices are laid out in the spec's axis order, the first varying slowest (axes it leaves out
+    have size 1); with `jax.devices()` ordered process by process, "expert=2,tensor=8" on 2 hosts
+    of 8 puts `expert` across the hosts and `tensor` within each. "auto" uses DEFAULT_ORDER.
+    """
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices)
-    sizes = auto_sizes(n, cfg) if spec.strip() == "auto" else parse_spec(spec)
+    auto = spec.strip() == "auto"
+    sizes = auto_sizes(n, cfg) if auto else parse_spec(spec)
     total = math.prod(sizes.values())
     if total != n:
         shown = " x ".join(f"{a}={sizes[a]}" for a in AXES)
         raise MeshError(f"mesh {shown} has {total} devices but there are {n}; the sizes must multiply to {n}")
-    shape = tuple(sizes[a] for a in AXES)
-    auto = (jax.sharding.AxisType.Auto,) * len(AXES)
-    return jax.make_mesh(shape, AXES, axis_types=auto, devices=devices)
+    given = [] if auto else [p.partition("=")[0].strip() for p in spec.split(",") if p.strip()]
+    order = tuple(given) + tuple(a for a in DEFAULT_ORDER if a not in given)
+    kinds = (jax.sharding.AxisType.Auto,) * len(order)
+    return jax.make_mesh(tuple(sizes[a] for a in order), order, axis_types=kinds, devices=devices)
 
 
 def axis_size(mesh, name: str) -> int:

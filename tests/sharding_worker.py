@@ -92,8 +92,11 @@ def engine_tokens(cfg, params) -> list[list[int]]:
 def main(out_dir: str, engine: bool = False) -> dict:
     root = Path(out_dir)
     report = {"devices": jax.device_count(), "cases": {}, "timings": {}}
+    m = hybridjax.make_mesh("expert=2,tensor=4")
+    report["order"] = {"axes": list(m.axis_names), "ids": [[d.id for d in row] for row in m.devices.reshape(2, 4)]}
     t0 = time.perf_counter()
     dirs = build_models(root)
+    report["dirs"] = {k: str(v) for k, v in dirs.items()}
     report["timings"]["build"] = time.perf_counter() - t0
     for name, d in dirs.items():
         t = time.perf_counter()
