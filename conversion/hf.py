@@ -260,21 +260,37 @@ def _cast(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return np.ascontiguousarray(x.astype(dtype) if floating else x)
 
 
-def _slice_reader(rule: Rule, reader: TensorReader):
-    """(param shape, index -> host array of that slice) for rules whose param slices map onto
-    HF tensor slices (a copy, a transpose, a stack of transposes); None for fused layouts."""
-    names = rule.hf
+def _slice_readers(rule: Rule, reader: TensorReader):
+    """[(param path, shape, index -> host array of that slice)] for rules whose param slices map
+    onto slices of the HF tensors; None for layouts read whole (Qwen3-Next's fused projections)."""
+    names, paths = rule.hf, rule.params
+    shape = reader.shape(names[0])
     if rule.kind == "copy":
-        return reader.shape(names[0]), lambda idx: reader.get_slice(names[0], idx)
+        return [(paths[0], shape, lambda idx: reader.get_slice(names[0], idx))]
     if rule.kind == "linear":  # param [in, out] = hf [out, in].T
-        return reader.shape(names[0])[::-1], lambda idx: reader.get_slice(names[0], idx[::-1]).T
+        return [(paths[0], shape[::-1], lambda idx: reader.get_slice(names[0], idx[::-1]).T)]
+    if rule.kind == "swap12":  # param [E, a, b] = hf [E, b, a] with the last two axes swapped
+        return [(paths[0], (shape[0], shape[2], shape[1]),
+                 lambda idx: reader.get_slice(names[0], (idx[0], idx[2], idx[1])).transpose(0, 2, 1))]
+    if rule.kind == "gate_up":  # hf [E, 2I, D]: gate = [:, :I].T, up = [:, I:].T, each [E, D, I]
+        e, two_i, d = shape
+        i = two_i // 2
+
+        def half(offset):
+            def read(idx):
+                cols = range(i)[idx[2]]
+                rows = slice(offset + cols.start, offset + cols.stop)
+                return reader.get_slice(names[0], (idx[0], rows, idx[1])).transpose(0, 2, 1)
+            return read
+
+        return [(paths[0], (e, d, i), half(0)), (paths[1], (e, d, i), half(i))]
     if rule.kind == "stack":  # param [E, in, out]: expert e is hf[e] [out, in].T
 
         def read(idx):
             experts = range(len(names))[idx[0]]
             return np.stack([reader.get_slice(names[e], idx[2:0:-1]).T for e in experts])
 
-        return (len(names), *reader.shape(names[0])[::-1]), read
+        return [(paths[0], (len(names), *shape[::-1]), read)]
     return None
 
 
@@ -282,10 +298,11 @@ def read_params_sharded(src: HFSource, mesh, dtype="float32", progress: Callable
     """The Params of an opened HF directory placed on `mesh` as they are read.
 
     Each device's shard is read on its own (`jax.make_array_from_callback`; on several hosts each
-    reads only its devices' shards): copies, transposes and expert stacks are read slice by slice
-    from the memory-mapped safetensors (`get_slice`), so no whole tensor is materialised; fused
-    layouts (Qwen3-Next in_proj_qkvz / in_proj_ba, transformers' fused experts) are read whole on
-    the host, one tensor at a time, transformed, then cut. No device ever holds a whole model.
+    reads only its devices' shards): copies, transposes, expert stacks and transformers' fused
+    experts are read slice by slice from the memory-mapped safetensors (`get_slice`), so those
+    tensors are never whole anywhere; Qwen3-Next's per-key-head fused in_proj_qkvz / in_proj_ba are
+    read whole on the host, one tensor at a time, transformed, then cut. No device ever holds a
+    whole model.
     """
     from hybridjax.sharding import sharding_by_path
 
@@ -295,14 +312,12 @@ def read_params_sharded(src: HFSource, mesh, dtype="float32", progress: Callable
     shapes, shardings = leaf_shapes(cfg, mtp), sharding_by_path(cfg, mesh, mtp)
     leaves, bad = {}, []
     for rule in src.rules:
-        sliced = _slice_reader(rule, reader)
-        if sliced is not None:
-            shape, read = sliced
-            pieces = [(rule.params[0], tuple(shape), read)]
-        else:
+        pieces = _slice_readers(rule, reader)
+        if pieces is None:
             arrays = rule.to_params(*(reader.get(n) for n in rule.hf))
             pieces = [(p, tuple(a.shape), (lambda a: lambda idx: a[idx])(a)) for p, a in zip(rule.params, arrays)]
         for path, shape, read in pieces:
+            shape = tuple(shape)
             if shape != shapes[path]:
                 src_shapes = ", ".join(f"{n} {reader.shape(n)}" for n in rule.hf[:2])
                 bad.append(f"{src_shapes} -> {path} has shape {shape}, expected {shapes[path]}")

@@ -21,8 +21,9 @@ class Rule:
     params: tuple[str, ...]  # param leaf paths, e.g. "layers.3.mixer.q_proj"
     to_params: Callable[..., tuple]  # (*hf arrays) -> tuple of param arrays
     to_hf: Callable[..., tuple]  # (*param arrays) -> tuple of hf arrays
-    # "copy", "linear" or "stack" when one param's any slice can be read from slices of the HF
-    # tensors (sharded loading reads only a device's part); "" for fused layouts (read whole)
+    # how a slice of the params maps onto slices of the HF tensors, for sharded loading (which
+    # reads only a device's part): "copy", "linear", "stack", "swap12", "gate_up"; "" for
+    # layouts read whole (Qwen3-Next's per-key-head fused projections)
     kind: str = ""
 
 
@@ -113,13 +114,13 @@ def fused_gate_up(hf: str, gate: str, up: str) -> Rule:
     def fuse(g, u):
         return (np.ascontiguousarray(np.concatenate([g, u], axis=2).transpose(0, 2, 1)),)
 
-    return Rule((hf,), (gate, up), split, fuse)
+    return Rule((hf,), (gate, up), split, fuse, "gate_up")
 
 
 def fused_down(hf: str, path: str) -> Rule:
     """transformers' fused `experts.down_proj` [E, D, I] <-> our [E, I, D]."""
     f = lambda w: (np.ascontiguousarray(w.transpose(0, 2, 1)),)  # noqa: E731
-    return Rule((hf,), (path,), f, f)
+    return Rule((hf,), (path,), f, f, "swap12")
 
 
 def _mlp_rules(src: str, dst: str) -> list[Rule]:

@@ -89,6 +89,35 @@ def engine_tokens(cfg, params) -> list[list[int]]:
         eng.stop()
 
 
+def same_params(one, many) -> bool:
+    """Sharded params equal one device's, leaf by leaf, bit for bit."""
+    from conversion.hf import flat_leaves
+
+    a, b = flat_leaves(one.replace(mesh=None)), flat_leaves(many.replace(mesh=None))
+    return a.keys() == b.keys() and all(np.array_equal(np.asarray(a[k]), np.asarray(b[k])) for k in a)
+
+
+def sliced_loads_agree(root: Path, names=("qwen3_5_moe", "qwen3_5_multimodal")) -> dict[str, bool]:
+    """Checkpoint layouts of tests/hf_models.py beyond the two models of the mesh cases (which
+    cover Qwen3-Next's fused projections and per-expert tensors, and Qwen3.5's split ones):
+    transformers' fused experts with an MTP head, and the multimodal prefix, loaded onto mesh
+    tensor=2 x expert=2, equal the one-device load bit for bit."""
+    import hf_models
+
+    mesh = hybridjax.make_mesh("tensor=2,expert=2", devices=jax.devices()[:4])
+    out = {}
+    for name in names:
+        d = hf_models.BUILDERS[name](root / f"layout_{name}")
+        if name == "qwen3_5_moe":
+            hf_models.add_mtp_head(d, hf_models.load_torch(d))
+        _, one = hybridjax.load_hf(d, dtype="float32")
+        _, many = hybridjax.load_hf(d, dtype="float32", mesh=mesh)
+        out[name] = same_params(one, many)
+        if name == "qwen3_5_moe":
+            out[name + ":mtp head loaded"] = many.mtp is not None
+    return out
+
+
 def main(out_dir: str, engine: bool = False) -> dict:
     root = Path(out_dir)
     report = {"devices": jax.device_count(), "cases": {}, "timings": {}}
@@ -97,6 +126,9 @@ def main(out_dir: str, engine: bool = False) -> dict:
     t0 = time.perf_counter()
     dirs = build_models(root)
     report["dirs"] = {k: str(v) for k, v in dirs.items()}
+    t0 = time.perf_counter()
+    report["layouts"] = sliced_loads_agree(root)
+    report["timings"]["layouts"] = time.perf_counter() - t0
     report["timings"]["build"] = time.perf_counter() - t0
     for name, d in dirs.items():
         t = time.perf_counter()
@@ -108,10 +140,11 @@ def main(out_dir: str, engine: bool = False) -> dict:
             mesh = hybridjax.make_mesh(spec, devices=jax.devices()[:n])
             _, sharded = hybridjax.load_hf(d, dtype="float32", mesh=mesh)
             got = run_case(sharded, cfg)
+            got["params_equal"] = same_params(params, sharded)
             report["cases"][f"{name}:{spec}"] = {
                 "logits_err": float(np.abs(got["logits"] - ref["logits"]).max()),
                 "logits_scale": float(np.abs(ref["logits"]).max()),
-                "tokens": got["tokens"], "ref_tokens": ref["tokens"],
+                "tokens": got["tokens"], "ref_tokens": ref["tokens"], "params_equal": got["params_equal"],
                 "ssm_spec": got["ssm_spec"], "kv_spec": got["kv_spec"],
                 "shards": shard_shapes(sharded), "mesh_devices": n,
             }

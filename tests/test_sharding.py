@@ -95,6 +95,7 @@ def test_mesh_matches_one_device(report, case):
     assert c["logits_err"] <= TOL, (c["logits_err"], c["logits_scale"])
     assert c["tokens"] == c["ref_tokens"]
     assert len(c["tokens"][0]) == 8
+    assert c["params_equal"]  # loaded slice by slice, bit for bit the one-device params
     name, spec = case.split(":")
     for path, shape in expected_shards(name, spec).items():
         full, shard_shapes, n_shards = c["shards"][path]
@@ -106,6 +107,12 @@ def test_mesh_matches_one_device(report, case):
         rows = "'data'" if "data" in spec else "None"
         assert c["ssm_spec"] == f"P({rows}, 'tensor')", c["ssm_spec"]
         assert c["kv_spec"] == f"P({rows}, None, 'tensor')", c["kv_spec"]
+
+
+def test_every_checkpoint_layout_loads_sliced_as_on_one_device(report):
+    layouts = report["layouts"]
+    assert set(layouts) == {"qwen3_5_moe", "qwen3_5_moe:mtp head loaded", "qwen3_5_multimodal"}
+    assert all(layouts.values()), layouts
 
 
 def test_orbax_checkpoint_restores_onto_the_mesh(report):
