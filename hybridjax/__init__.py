@@ -3,6 +3,9 @@
     cfg, params = hybridjax.load_hf("path/to/hf_model_dir", dtype="float32")
     cache = hybridjax.init_cache(cfg, batch_size=1, max_len=4096)
     logits, cache = hybridjax.forward(params, tokens, cache, cfg)
+
+Over several devices (docs/sharding.md): `mesh = hybridjax.make_mesh("tensor=2,expert=4")`, then
+`load_hf(..., mesh=mesh)` and `init_cache(..., mesh=mesh)`; forward is unchanged.
 """
 
 from hybridjax.cache import Cache, GDNState, KVState, init_cache, reserve
