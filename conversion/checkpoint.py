@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from conversion.hf import CheckpointError, assemble, flat_leaves, has_mtp, leaf_shapes, load_hf, open_hf, read_params
+from conversion.hf import (CheckpointError, assemble, flat_leaves, has_mtp, leaf_shapes, load_hf, open_hf, path_str,
+                           read_params)
 from hybridjax.config import Config, load_config, read_json
 from hybridjax.params import FLOAT32_LEAVES, Params, is_shape, param_shapes
 
@@ -129,13 +130,19 @@ def _checkpointer():
     return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True, use_compression=False))
 
 
-def abstract_params(cfg: Config, dtype, extra: dict[str, dict], mtp: bool = False) -> Params:
-    """Params of jax.ShapeDtypeStruct: `dtype` for weights, float32 for the gate leaves."""
+def abstract_params(cfg: Config, dtype, extra: dict[str, dict], mtp: bool = False, mesh=None) -> Params:
+    """Params of jax.ShapeDtypeStruct: `dtype` for weights, float32 for the gate leaves; on the
+    first device, or by `hybridjax.sharding.RULES` on `mesh` (extra tensors replicated)."""
+    from hybridjax.sharding import sharding_by_path
+
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    if mesh is not None:
+        by_path, sharding = sharding_by_path(cfg, mesh, mtp), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     def leaf(path, shape):
         name = getattr(path[-1], "name", "")
-        return jax.ShapeDtypeStruct(shape, jnp.float32 if name in FLOAT32_LEAVES else jnp.dtype(dtype), sharding=sharding)
+        where = sharding if mesh is None else by_path[path_str(path)]
+        return jax.ShapeDtypeStruct(shape, jnp.float32 if name in FLOAT32_LEAVES else jnp.dtype(dtype), sharding=where)
 
     tree = jax.tree_util.tree_map_with_path(leaf, param_shapes(cfg, mtp), is_leaf=is_shape)
     kept = {n: jax.ShapeDtypeStruct(tuple(e["shape"]), jnp.dtype(e["dtype"]), sharding=sharding) for n, e in extra.items()}
@@ -162,7 +169,7 @@ class CheckpointReader:
     """A converted checkpoint opened for reading: marker and config checked, the abstract target
     built in `dtype` (None: as stored; gates stay float32). Restores all params, or one group."""
 
-    def __init__(self, path: str | Path, dtype=None):
+    def __init__(self, path: str | Path, dtype=None, mesh=None):
         self.path = Path(path).absolute()
         self.info = read_marker(self.path)
         self.cfg = load_config(self.path)
@@ -171,7 +178,8 @@ class CheckpointReader:
             raise CheckpointError(f"{self.path}: the params directory {PARAMS_DIR}/ is missing")
         _check_shapes(self.path, self.info, self.cfg)
         self.dtype = jnp.dtype(dtype or self.info["dtype"])
-        self.target = abstract_params(self.cfg, self.dtype, self.info["extra"], has_mtp(self.info["shapes"]))
+        self.mesh = mesh
+        self.target = abstract_params(self.cfg, self.dtype, self.info["extra"], has_mtp(self.info["shapes"]), mesh)
         self._ckpt = _checkpointer()
 
     def restore(self) -> Params:
@@ -180,10 +188,22 @@ class CheckpointReader:
         full restore holds a host copy of everything: measured 1.7x the model, this ~1.35x)."""
         leaves: dict[str, jax.Array] = {}
         for item in self._batches():
-            for path, x in self.host(item).items():
-                leaves[path] = jax.device_put(x)
+            leaves.update(self.sharded(item) if self.mesh is not None else
+                          {path: jax.device_put(x) for path, x in self.host(item).items()})
         extra = {p.split(".", 1)[1]: leaves.pop(p) for p in list(leaves) if p.startswith("extra.")}
-        return assemble(self.cfg, leaves, extra)
+        return assemble(self.cfg, leaves, extra).replace(mesh=self.mesh)
+
+    def sharded(self, item: dict) -> dict[str, jax.Array]:
+        """Restore a partial tree straight onto the mesh: orbax reads each device's slice of each
+        array from tensorstore (no host copy of a whole array, on any host)."""
+        import orbax.checkpoint as ocp
+
+        if not item:
+            return {}
+        args = jax.tree_util.tree_map(
+            lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape, dtype=s.dtype), item)
+        got = self._restore(ocp.args.PyTreeRestore(item=item, restore_args=args, partial_restore=True))
+        return flat_leaves(got)
 
     def group(self, key: str) -> dict[str, np.ndarray]:
         """One group of params as host arrays, by leaf path: key "top" (embed, final_norm, lm_head),
@@ -245,9 +265,10 @@ class CheckpointReader:
             raise CheckpointError(f"{self.params_dir}: cannot restore the params ({' '.join(str(e).split())[:500]})") from None
 
 
-def load_checkpoint(path: str | Path, dtype=None) -> tuple[Config, Params]:
-    """(Config, Params) from a converted checkpoint; `dtype` None keeps the stored dtype."""
-    reader = CheckpointReader(path, dtype)
+def load_checkpoint(path: str | Path, dtype=None, mesh=None) -> tuple[Config, Params]:
+    """(Config, Params) from a converted checkpoint; `dtype` None keeps the stored dtype; `mesh`:
+    restored onto the mesh by `hybridjax.sharding.RULES`, shard by shard."""
+    reader = CheckpointReader(path, dtype, mesh)
     return reader.cfg, reader.restore()
 
 
@@ -347,14 +368,15 @@ def convert_hf(
 # --- either kind ------------------------------------------------------------------------
 
 
-def load(path: str | Path, dtype=None) -> tuple[Config, Params]:
+def load(path: str | Path, dtype=None, mesh=None) -> tuple[Config, Params]:
     """(Config, Params) from an HF model directory or a converted checkpoint.
 
     dtype None keeps the stored dtype (an HF directory's: that of its embedding table).
+    mesh: place the params on a device mesh as they are read (`hybridjax.sharding`).
     """
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"model directory not found: {path}")
     if is_checkpoint(path):
-        return load_checkpoint(path, dtype=dtype)
-    return load_hf(path, dtype=dtype)
+        return load_checkpoint(path, dtype=dtype, mesh=mesh)
+    return load_hf(path, dtype=dtype, mesh=mesh)

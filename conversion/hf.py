@@ -82,6 +82,12 @@ class TensorReader:
     def get(self, name: str) -> np.ndarray:
         return self._handle(name).get_tensor(name)
 
+    def get_slice(self, name: str, index: tuple) -> np.ndarray:
+        """tensor[index] (a tuple of slices, one per axis), reading only those bytes."""
+        view = self._handle(name).get_slice(name)
+        full = view.get_shape()
+        return view[tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, full))]
+
     def dtype(self, name: str) -> np.dtype:
         return np.dtype(_ST_DTYPES[self._handle(name).get_slice(name).get_dtype()])
 
@@ -228,16 +234,103 @@ def open_hf(model_dir: str | Path) -> HFSource:
     return HFSource(cfg, rules, reader, names)
 
 
-def load_hf(model_dir: str | Path, dtype="float32", progress: Callable[[int], None] | None = None) -> tuple[Config, Params]:
+def load_hf(model_dir: str | Path, dtype="float32", progress: Callable[[int], None] | None = None,
+            mesh=None) -> tuple[Config, Params]:
     """Read an HF model directory into (Config, Params), casting weights to `dtype`
     (None: the checkpoint's own dtype).
 
     The gate parameters (A_log, dt_bias) stay float32. `mtp.*` tensors, when present, load into
     `params.mtp`; vision-tower tensors of multimodal checkpoints are skipped.
     `progress(nbytes)`, if given, is called after each tensor is read.
+    `mesh`: place each param on the mesh by `hybridjax.sharding.RULES` as it is read, each device
+    receiving only its shard (see `read_params_sharded`).
     """
     with open_hf(model_dir) as src:
+        if mesh is not None:
+            return src.cfg, read_params_sharded(src, mesh, dtype, progress)
         return src.cfg, read_params(src, dtype, progress)
+
+
+def _leaf_dtype(path: str, dtype) -> np.dtype:
+    return np.dtype(np.float32) if path.rsplit(".", 1)[-1] in FLOAT32_LEAVES else np.dtype(dtype)
+
+
+def _cast(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    floating = np.issubdtype(x.dtype, np.floating) or x.dtype.name == "bfloat16"
+    return np.ascontiguousarray(x.astype(dtype) if floating else x)
+
+
+def _slice_readers(rule: Rule, reader: TensorReader):
+    """[(param path, shape, index -> host array of that slice)] for rules whose param slices map
+    onto slices of the HF tensors; None for layouts read whole (Qwen3-Next's fused projections)."""
+    names, paths = rule.hf, rule.params
+    shape = reader.shape(names[0])
+    if rule.kind == "copy":
+        return [(paths[0], shape, lambda idx: reader.get_slice(names[0], idx))]
+    if rule.kind == "linear":  # param [in, out] = hf [out, in].T
+        return [(paths[0], shape[::-1], lambda idx: reader.get_slice(names[0], idx[::-1]).T)]
+    if rule.kind == "swap12":  # param [E, a, b] = hf [E, b, a] with the last two axes swapped
+        return [(paths[0], (shape[0], shape[2], shape[1]),
+                 lambda idx: reader.get_slice(names[0], (idx[0], idx[2], idx[1])).transpose(0, 2, 1))]
+    if rule.kind == "gate_up":  # hf [E, 2I, D]: gate = [:, :I].T, up = [:, I:].T, each [E, D, I]
+        e, two_i, d = shape
+        i = two_i // 2
+
+        def half(offset):
+            def read(idx):
+                cols = range(i)[idx[2]]
+                rows = slice(offset + cols.start, offset + cols.stop)
+                return reader.get_slice(names[0], (idx[0], rows, idx[1])).transpose(0, 2, 1)
+            return read
+
+        return [(paths[0], (e, d, i), half(0)), (paths[1], (e, d, i), half(i))]
+    if rule.kind == "stack":  # param [E, in, out]: expert e is hf[e] [out, in].T
+
+        def read(idx):
+            experts = range(len(names))[idx[0]]
+            return np.stack([reader.get_slice(names[e], idx[2:0:-1]).T for e in experts])
+
+        return [(paths[0], (len(names), *shape[::-1]), read)]
+    return None
+
+
+def read_params_sharded(src: HFSource, mesh, dtype="float32", progress: Callable[[int], None] | None = None) -> Params:
+    """The Params of an opened HF directory placed on `mesh` as they are read.
+
+    Each device's shard is read on its own (`jax.make_array_from_callback`; on several hosts each
+    reads only its devices' shards): copies, transposes, expert stacks and transformers' fused
+    experts are read slice by slice from the memory-mapped safetensors (`get_slice`), so those
+    tensors are never whole anywhere; Qwen3-Next's per-key-head fused in_proj_qkvz / in_proj_ba are
+    read whole on the host, one tensor at a time, transformed, then cut. No device ever holds a
+    whole model.
+    """
+    from hybridjax.sharding import sharding_by_path
+
+    cfg, reader = src.cfg, src.reader
+    dtype = src.stored_dtype() if dtype is None else jnp.dtype(dtype)
+    mtp = any(p.startswith(MTP_PREFIX) for r in src.rules for p in r.params)
+    shapes, shardings = leaf_shapes(cfg, mtp), sharding_by_path(cfg, mesh, mtp)
+    leaves, bad = {}, []
+    for rule in src.rules:
+        pieces = _slice_readers(rule, reader)
+        if pieces is None:
+            arrays = rule.to_params(*(reader.get(n) for n in rule.hf))
+            pieces = [(p, tuple(a.shape), (lambda a: lambda idx: a[idx])(a)) for p, a in zip(rule.params, arrays)]
+        for path, shape, read in pieces:
+            shape = tuple(shape)
+            if shape != shapes[path]:
+                src_shapes = ", ".join(f"{n} {reader.shape(n)}" for n in rule.hf[:2])
+                bad.append(f"{src_shapes} -> {path} has shape {shape}, expected {shapes[path]}")
+                continue
+            target = _leaf_dtype(path, dtype)
+            leaves[path] = jax.make_array_from_callback(shape, shardings[path], lambda idx, r=read, t=target: _cast(r(idx), t))
+            if progress:
+                progress(int(np.prod(shape)) * reader.dtype(rule.hf[0]).itemsize)
+    if bad:
+        raise CheckpointError("mis-shaped tensors: " + "; ".join(bad))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    extra = {n: jax.device_put(reader.get(n), replicated) for n in src.kept}
+    return assemble(cfg, leaves, extra).replace(mesh=mesh)
 
 
 def read_params(src: HFSource, dtype="float32", progress: Callable[[int], None] | None = None) -> Params:

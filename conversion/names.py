@@ -21,6 +21,10 @@ class Rule:
     params: tuple[str, ...]  # param leaf paths, e.g. "layers.3.mixer.q_proj"
     to_params: Callable[..., tuple]  # (*hf arrays) -> tuple of param arrays
     to_hf: Callable[..., tuple]  # (*param arrays) -> tuple of hf arrays
+    # how a slice of the params maps onto slices of the HF tensors, for sharded loading (which
+    # reads only a device's part): "copy", "linear", "stack", "swap12", "gate_up"; "" for
+    # layouts read whole (Qwen3-Next's per-key-head fused projections)
+    kind: str = ""
 
 
 def _same(x):
@@ -32,12 +36,12 @@ def _t(x):
 
 
 def copy(hf: str, path: str) -> Rule:
-    return Rule((hf,), (path,), _same, _same)
+    return Rule((hf,), (path,), _same, _same, "copy")
 
 
 def linear(hf: str, path: str) -> Rule:
     """nn.Linear weight [out, in] <-> our [in, out]."""
-    return Rule((hf,), (path,), _t, _t)
+    return Rule((hf,), (path,), _t, _t, "linear")
 
 
 def conv(hf: str, path: str) -> Rule:
@@ -96,6 +100,7 @@ def stacked_experts(names: Sequence[str], path: str) -> Rule:
         tuple(names), (path,),
         lambda *ws: (np.ascontiguousarray(np.stack([w.T for w in ws])),),
         lambda s: tuple(np.ascontiguousarray(w.T) for w in s),
+        "stack",
     )
 
 
@@ -109,13 +114,13 @@ def fused_gate_up(hf: str, gate: str, up: str) -> Rule:
     def fuse(g, u):
         return (np.ascontiguousarray(np.concatenate([g, u], axis=2).transpose(0, 2, 1)),)
 
-    return Rule((hf,), (gate, up), split, fuse)
+    return Rule((hf,), (gate, up), split, fuse, "gate_up")
 
 
 def fused_down(hf: str, path: str) -> Rule:
     """transformers' fused `experts.down_proj` [E, D, I] <-> our [E, I, D]."""
     f = lambda w: (np.ascontiguousarray(w.transpose(0, 2, 1)),)  # noqa: E731
-    return Rule((hf,), (path,), f, f)
+    return Rule((hf,), (path,), f, f, "swap12")
 
 
 def _mlp_rules(src: str, dst: str) -> list[Rule]:

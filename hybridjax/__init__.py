@@ -15,6 +15,9 @@ The functional API (token ids, caches as values):
     fast = jax.jit(hybridjax.forward, static_argnames="cfg")
     logits, cache = fast(params, tokens, hybridjax.reserve(cache, tokens.shape[1]), cfg)
 
+Over several devices (docs/sharding.md): `mesh = hybridjax.make_mesh("tensor=2,expert=4")`, then
+`load_hf(..., mesh=mesh)` and `init_cache(..., mesh=mesh)`; forward is unchanged.
+
 See docs/architecture.md for how the pieces fit.
 """
 
@@ -22,27 +25,31 @@ from hybridjax.cache import Cache, GDNState, KVState, init_cache, reserve
 from hybridjax.config import Config, ConfigError, config_from_dict, load_config
 from hybridjax.model import forward
 from hybridjax.params import Params, init_params
+from hybridjax.sharding import MeshError, make_mesh, shard_cache, shard_params
 from hybridjax.text import Model, load_model
 
 __version__ = "0.1.0"
 
 
-def load_hf(model_dir, dtype="float32"):
-    """(Config, Params) from a Hugging Face model directory; see `conversion.hf.load_hf`."""
+def load_hf(model_dir, dtype="float32", mesh=None):
+    """(Config, Params) from a Hugging Face model directory; see `conversion.hf.load_hf`.
+    `mesh` (from `make_mesh`): each device receives its shard as the tensors are read."""
     # The facade reaches down into conversion lazily; nothing below it imports conversion.
     from conversion.hf import load_hf as _load_hf
 
-    return _load_hf(model_dir, dtype=dtype)
+    return _load_hf(model_dir, dtype=dtype, mesh=mesh)
 
 
-def load(path, dtype=None):
-    """(Config, Params) from an HF model directory or a converted hybridjax checkpoint."""
+def load(path, dtype=None, mesh=None):
+    """(Config, Params) from an HF model directory or a converted hybridjax checkpoint, placed on
+    `mesh` shard by shard when given."""
     from conversion import load as _load
 
-    return _load(path, dtype=dtype)
+    return _load(path, dtype=dtype, mesh=mesh)
 
 
 __all__ = [
-    "Cache", "Config", "ConfigError", "GDNState", "KVState", "Model", "Params", "config_from_dict",
-    "forward", "init_cache", "init_params", "load", "load_config", "load_hf", "load_model", "reserve",
+    "Cache", "Config", "ConfigError", "GDNState", "KVState", "MeshError", "Model", "Params", "config_from_dict",
+    "forward", "init_cache", "init_params", "load", "load_config", "load_hf", "load_model", "make_mesh", "reserve",
+    "shard_cache", "shard_params",
 ]

@@ -79,11 +79,14 @@ def bucket(n: int, max_len: int) -> int:
     return min(cap, max_len)
 
 
-def init_cache(cfg: Config, batch_size: int, max_len: int, dtype=jnp.float32, capacity: int | None = None) -> Cache:
+def init_cache(cfg: Config, batch_size: int, max_len: int, dtype=jnp.float32, capacity: int | None = None,
+               mesh=None) -> Cache:
     """An empty cache for `batch_size` rows of up to `max_len` tokens each.
 
     KV buffers start at `capacity` tokens (default: the smallest bucket) and grow on demand.
     Buffers are made with `jnp.zeros` so that no two leaves share memory (donation needs that).
+    `mesh`: place it on a device mesh (`hybridjax.sharding.shard_cache`: KV and GDN state by
+    heads, rows on `data` when they divide).
     """
     if batch_size < 1 or max_len < 1:
         raise ValueError(f"init_cache: batch_size and max_len must be >= 1, got {batch_size}, {max_len}")
@@ -102,7 +105,12 @@ def init_cache(cfg: Config, batch_size: int, max_len: int, dtype=jnp.float32, ca
                     ssm=jnp.zeros((b, hv, k, v), jnp.float32),
                 )
             )
-    return Cache(layers=tuple(layers), lengths=jnp.zeros((b,), jnp.int32), max_len=int(max_len))
+    cache = Cache(layers=tuple(layers), lengths=jnp.zeros((b,), jnp.int32), max_len=int(max_len))
+    if mesh is not None:
+        from hybridjax.sharding import shard_cache  # sharding sits above cache
+
+        cache = shard_cache(cache, mesh)
+    return cache
 
 
 def with_capacity(cache: Cache, capacity: int) -> Cache:

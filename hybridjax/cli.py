@@ -123,21 +123,48 @@ def _add_compile_cache(p) -> None:
     p.add_argument("--no-compile-cache", action="store_true", help="do not keep compiled programs between runs")
 
 
-def load_model(model: str | None, dtype: str | None = None):
-    """(cfg, params, tokenizer or None, name) for a model directory, or the embedded default."""
+def init_distributed(args) -> None:
+    """Join a multi-process JAX job (--coordinator/--num-processes/--process-id) before anything
+    touches a device; on CPU the processes exchange collectives through gloo."""
+    n = getattr(args, "num_processes", None)
+    if not n or n == 1:
+        return
+    if not args.coordinator or args.process_id is None:
+        raise CLIError("--num-processes > 1 needs --coordinator HOST:PORT and --process-id I")
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(args.coordinator, num_processes=n, process_id=args.process_id)
+
+
+def _add_mesh_args(p) -> None:
+    p.add_argument("--mesh", help='shard the model over devices: "data=1,tensor=2,expert=4" or "auto" '
+                                  "(sizes multiply to the device count; default: one device)")
+    p.add_argument("--coordinator", help="HOST:PORT of process 0, for a model spanning several processes / hosts")
+    p.add_argument("--num-processes", type=_positive_int, default=None, help="processes in the job (with --coordinator)")
+    p.add_argument("--process-id", type=int, default=None, help="this process's index, 0..N-1 (with --coordinator)")
+
+
+def load_model(model: str | None, dtype: str | None = None, mesh: str | None = None):
+    """(cfg, params, tokenizer or None, name) for a model directory, or the embedded default;
+    with `mesh` (a spec for `hybridjax.make_mesh`) the params are placed on it as they are read."""
+    import hybridjax
+
     if model is None:
         from hybridjax.default_model import DEFAULT_NAME, default_model
 
         cfg, params, tok = default_model()
+        if mesh:
+            params = hybridjax.shard_params(params, cfg, hybridjax.make_mesh(mesh, cfg))
         return cfg, params, tok, DEFAULT_NAME
-    import hybridjax
     from hybridjax.tokenizer import Tokenizer
 
     path = Path(model)
     if not path.is_dir():
         raise CLIError(f"model directory not found: {model}")
+    placed = hybridjax.make_mesh(mesh, hybridjax.load_config(path)) if mesh else None
     # float32 unless asked: on CPU it decodes faster than bfloat16 (see DTYPE_HELP).
-    cfg, params = hybridjax.load(path, dtype=dtype or "float32")
+    cfg, params = hybridjax.load(path, dtype=dtype or "float32", mesh=placed)
     tok = Tokenizer.from_dir(path, cfg.eos_token_id) if (path / "tokenizer.json").is_file() else None
     return cfg, params, tok, path.name
 
@@ -163,8 +190,9 @@ def cmd_generate(args) -> int:
     from hybridjax.sampling import sampling_params
     from hybridjax.tokenizer import StreamDecoder
 
+    init_distributed(args)
     use_compile_cache(args.compile_cache_dir, not args.no_compile_cache)
-    cfg, params, tok, _ = load_model(args.model, args.dtype)
+    cfg, params, tok, _ = load_model(args.model, args.dtype, args.mesh)
     prompt = _prompt_ids(args, tok)
     bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
     if bad:
@@ -211,6 +239,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help=DTYPE_HELP)
     p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
     p.add_argument("--json", action="store_true", help='print {"prompt_token_ids", "token_ids", "text"}')
+    _add_mesh_args(p)
     _add_compile_cache(p)
     p.set_defaults(func=cmd_generate)
 
@@ -227,6 +256,10 @@ def cmd_serve(args) -> int:
         api_keys=read_api_keys(args.api_key_file) if args.api_key_file else (),
         max_body_bytes=int(args.max_body_mb * 2**20),
     )
+    if (args.num_processes or 1) > 1:
+        # Followers would have to replay process 0's engine steps; not built yet (docs/sharding.md).
+        raise CLIError("serve across processes is not supported yet: use --mesh over this host's devices "
+                       "(`hybridjax generate` does run across processes)")
     use_compile_cache(args.compile_cache_dir, not args.no_compile_cache)
     import logging
     import time
@@ -234,7 +267,7 @@ def cmd_serve(args) -> int:
     log = logging.getLogger("hybridjax.serve")
     log.info("loading %s", args.model or "the embedded default model")
     t0 = time.perf_counter()
-    cfg, params, tok, name = load_model(args.model, args.dtype)
+    cfg, params, tok, name = load_model(args.model, args.dtype, args.mesh)
     if tok is None:
         raise CLIError(f"{args.model}: serve needs a tokenizer.json in the model directory")
     n, nbytes = _size(params)
@@ -277,6 +310,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--prefill-chunk", type=_power_of_two, default=256,
                    help="prompt tokens per engine step; running streams decode between chunks")
     p.add_argument("--no-warmup", action="store_true", help="do not compile every shape before serving")
+    _add_mesh_args(p)
     _add_compile_cache(p)
     p.set_defaults(func=cmd_serve)
 

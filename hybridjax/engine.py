@@ -271,7 +271,8 @@ class Engine:
         self._reset_device()
 
     def _reset_device(self) -> None:
-        self._state = steps.init_state(self.cfg, self.slots, self.pool.num_pages, self.pool.page_size, self.dtype)
+        self._state = steps.init_state(self.cfg, self.slots, self.pool.num_pages, self.pool.page_size, self.dtype,
+                                       mesh=self.params.mesh)
         self._table = np.full((self.slots, self.pages_per_row), self.pool.num_pages, np.int32)  # P: no page
 
     @property

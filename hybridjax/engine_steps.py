@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from hybridjax import sharding
 from hybridjax.cache import Cache, GDNState, PagedKV
 from hybridjax.config import FULL, Config
 from hybridjax.generate import Sampler, next_token
@@ -59,8 +60,36 @@ class EngineState:
         return int(self.lengths.shape[0])
 
 
-def init_state(cfg: Config, slots: int, num_pages: int, page_size: int, dtype=jnp.float32) -> EngineState:
-    """Zeros everywhere (every leaf its own buffer: donation needs that)."""
+def state_shardings(state: EngineState, mesh):
+    """Where each leaf lives on `mesh`: the page pool by KV heads, GDN states by heads (slots are
+    gathered by index, so not split on `data`), the per-slot bookkeeping replicated."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    layers = tuple(sharding.state_specs(s, mesh, 1) for s in state.layers)
+    specs = jax.tree_util.tree_map(lambda _: P(), state.replace(layers=()))
+    return jax.tree_util.tree_map(lambda p: NamedSharding(mesh, p), specs.replace(layers=layers),
+                                  is_leaf=lambda x: isinstance(x, P))
+
+
+def pin_state(state: EngineState, mesh) -> EngineState:
+    """Inside a step: keep the state's layout as it came in, so a donated state is reused in place
+    and the next step sees the same shardings (no recompilation)."""
+    if not sharding.is_multi_device(mesh):
+        return state
+    return jax.lax.with_sharding_constraint(state, state_shardings(state, mesh))
+
+
+def init_state(cfg: Config, slots: int, num_pages: int, page_size: int, dtype=jnp.float32, mesh=None) -> EngineState:
+    """Zeros everywhere (every leaf its own buffer: donation needs that); placed on `mesh` when
+    given (`state_shardings`)."""
+    state = _zeros_state(cfg, slots, num_pages, page_size, dtype)
+    if not sharding.is_multi_device(mesh):
+        return state
+    return jax.tree_util.tree_map(jax.device_put, state, state_shardings(state, mesh))
+
+
+def _zeros_state(cfg: Config, slots: int, num_pages: int, page_size: int, dtype=jnp.float32) -> EngineState:
     layers = []
     for t in cfg.layer_types:
         if t == FULL:
@@ -175,7 +204,7 @@ def _prefill(params, state, rows, tokens, counts, table, last, cfg, implementati
     state = _store_rows(state, rows, cache, live)
     state = state.replace(logits=_put(state.logits, rows, logits[:, 0], live))
     drawn, state = _draw(state, rows, logits[:, 0], last & live)
-    return drawn, _take(state.done, rows), state
+    return drawn, _take(state.done, rows), pin_state(state, params.mesh)
 
 
 def _decode(params, state, rows, table, cfg, implementation=None):
@@ -192,7 +221,7 @@ def _decode(params, state, rows, table, cfg, implementation=None):
     state = state.replace(logits=_put(state.logits, rows, logits[:, 0], feed),
                           idle=_put(state.idle, rows, feed & ~draw, feed & ~draw))
     drawn, state = _draw(state, rows, logits[:, 0], draw)
-    return (drawn, _take(state.done, rows), _take(state.lengths, rows)), state
+    return (drawn, _take(state.done, rows), _take(state.lengths, rows)), pin_state(state, params.mesh)
 
 
 def _sample_first(state, rows):

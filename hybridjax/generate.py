@@ -49,6 +49,15 @@ def pad_prompts(prompts: Sequence[Sequence[int]], bucket: int | None = None) -> 
     return tokens, counts
 
 
+def host_value(x) -> np.ndarray:
+    """x as a numpy array, gathered from every process when it spans several (multi-host meshes)."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 # --- sampler state -----------------------------------------------------------------------
 
 
@@ -150,7 +159,7 @@ class Generation:
     logits: Array  # [B, vocab] after each row's last token (what a continuation samples from)
 
     def token_lists(self) -> list[list[int]]:
-        toks, n = np.asarray(self.tokens), np.asarray(self.n_generated)
+        toks, n = host_value(self.tokens), host_value(self.n_generated)
         return [toks[row, : n[row]].tolist() for row in range(toks.shape[0])]
 
 
@@ -211,7 +220,7 @@ def generate(
     out_len = length_bucket(int(max_new.max()))
     tokens, counts = pad_prompts(prompts)
     if cache is None:
-        cache = init_cache(cfg, b, max_len or max(cfg.max_position_embeddings, tokens.shape[1] + out_len))
+        cache = init_cache(cfg, b, max_len or max(cfg.max_position_embeddings, tokens.shape[1] + out_len), mesh=params.mesh)
     cache = reserve(cache, counts + max_new)
     sp = sampling if sampling is not None else sampling_params(b)
     sampler = init_sampler(sp, seeds if seeds is not None else [0] * b, cfg.vocab_size, tokens, counts)
@@ -244,7 +253,7 @@ def stream(
     if not prompt:
         raise ValueError("stream: the prompt needs at least one token")
     if cache is None:
-        cache = init_cache(cfg, 1, max_len or max(cfg.max_position_embeddings, len(prompt) + max_new_tokens))
+        cache = init_cache(cfg, 1, max_len or max(cfg.max_position_embeddings, len(prompt) + max_new_tokens), mesh=params.mesh)
     tokens, counts = pad_prompts([prompt])
     sampler = init_sampler(sampling or sampling_params(1), [seed], cfg.vocab_size, tokens, counts)
     logits, cache = prefill(params, tokens, cache, cfg, counts)

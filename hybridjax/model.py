@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from hybridjax import ops
+from hybridjax import ops, sharding
 from hybridjax.cache import Cache, reserve
 from hybridjax.config import Config
 from hybridjax.layers import decoder_layer
@@ -68,11 +68,12 @@ def forward_hidden(
 
     starts = cache.lengths
     valid = jnp.arange(t)[None, :] < counts[:, None]  # [B, T]
-    x = params.embed[tokens]  # [B, T, D]
     states = []
-    for layer, state in zip(params.layers, cache.layers):
-        x, state = decoder_layer(layer, x, state, starts, valid, cfg, implementation)
-        states.append(state)
+    with sharding.mesh_scope(params.mesh):  # sharded params: ops see their mesh while tracing
+        x = params.embed[tokens]  # [B, T, D]
+        for layer, state in zip(params.layers, cache.layers):
+            x, state = decoder_layer(layer, x, state, starts, valid, cfg, implementation)
+            states.append(state)
     if last_only:  # prefill needs one row of logits, not T: skip the big vocab matmul
         last = jnp.maximum(counts - 1, 0)
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)  # [B, 1, D]
@@ -87,6 +88,7 @@ def lm_head(params: Params) -> Array:
 
 def lm_logits(params: Params, x: Array) -> Array:
     """float32 logits [..., vocab] of final-normed hidden states x [..., D]."""
-    if params.lm_head is None:  # tied: the embedding [vocab, D] is read in place, never copied as .T
-        return ops.dense(x, params.embed, jnp.float32, transposed=True)
-    return ops.dense(x, params.lm_head, jnp.float32)
+    with sharding.mesh_scope(params.mesh):
+        if params.lm_head is None:  # tied: the embedding [vocab, D] is read in place, never copied as .T
+            return ops.dense(x, params.embed, jnp.float32, transposed=True)
+        return ops.dense(x, params.lm_head, jnp.float32)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from hybridjax import ops
+from hybridjax import ops, sharding
 from hybridjax.cache import KVState
 from hybridjax.config import Config
 from hybridjax.layers import decoder_layer
@@ -61,9 +61,10 @@ def mtp_hidden(params: Params, hidden: Array, next_tokens: Array, state: KVState
     if p is None:
         raise ValueError("mtp_forward: these params have no MTP head (params.mtp is None)")
     eps = cfg.rms_norm_eps
-    e = ops.rms_norm(params.embed[next_tokens], p.pre_fc_norm_embedding, eps)  # [B, T, D]
-    h = ops.rms_norm(hidden.astype(e.dtype), p.pre_fc_norm_hidden, eps)
-    x = ops.dense(jnp.concatenate([e, h], axis=-1), p.fc)  # [B, T, 2D] @ [2D, D]
-    valid = jnp.ones(next_tokens.shape, bool)  # the layer is attention: valid only matters to GDN
-    x, state = decoder_layer(p.layer, x, state, starts, valid, cfg)
-    return ops.rms_norm(x, p.norm, eps), state
+    with sharding.mesh_scope(params.mesh):  # sharded params: ops see their mesh while tracing
+        e = ops.rms_norm(params.embed[next_tokens], p.pre_fc_norm_embedding, eps)  # [B, T, D]
+        h = ops.rms_norm(hidden.astype(e.dtype), p.pre_fc_norm_hidden, eps)
+        x = ops.dense(jnp.concatenate([e, h], axis=-1), p.fc)  # [B, T, 2D] @ [2D, D]
+        valid = jnp.ones(next_tokens.shape, bool)  # the layer is attention: valid only matters to GDN
+        x, state = decoder_layer(p.layer, x, state, starts, valid, cfg)
+        return ops.rms_norm(x, p.norm, eps), state

@@ -4,7 +4,8 @@ Precision policy (declared once, here): norms, softmax, gates and all recurrent 
 computed in float32; matmuls take the parameter dtype and accumulate in float32 (`dense`).
 The delta rule itself is chosen in `pallas_kernels.gated_delta_rule` (reference / xla /
 pallas); `delta_rule` below is the one place the model reaches it, as `paged_attention`
-(re-exported from `pallas_kernels.paged_attention`) is for attention over the engine's pages.
+(wrapping `pallas_kernels.paged_attention`) is for attention over the engine's pages; under a
+multi-device mesh both run per head shard in `shard_map`.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from hybridjax import cpu_kernels
+from hybridjax import cpu_kernels, sharding
 from pallas_kernels.gated_delta_rule import chunk_gated_delta_rule
-from pallas_kernels.paged_attention import paged_attention  # noqa: F401  (the model's one way in)
+from pallas_kernels.paged_attention import paged_attention as _paged_attention
 
 Array = jax.Array
 
@@ -34,7 +35,8 @@ def dense(x: Array, w: Array, dtype=None, transposed: bool = False) -> Array:
     lead, n_in = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, n_in)
     xla = functools.partial(_xla_dot, transposed=transposed)
-    if cpu_kernels.supports(rows.shape[0], x.dtype, w.dtype) and cpu_kernels.enabled():
+    if (cpu_kernels.supports(rows.shape[0], x.dtype, w.dtype) and sharding.current_mesh() is None
+            and cpu_kernels.enabled()):
         kernel = functools.partial(cpu_kernels.matmul, transposed=transposed)
         y = jax.lax.platform_dependent(rows, w, cpu=kernel, default=xla)
     else:
@@ -158,8 +160,32 @@ def write_kv_paged(pages: Array, new: Array, table: Array, starts: Array, valid:
     return pages.at[page, pos % size].set(new.astype(pages.dtype), mode="drop")
 
 
+def paged_attention(q, k_pages, v_pages, page_table, q_pos, *, scale=None, implementation=None):
+    """Attention over the engine's page pool (the model's one way in; see
+    pallas_kernels.paged_attention). Under a multi-device mesh it runs per KV-head shard in
+    `shard_map` (query head h reads KV head h // g, so contiguous shards line up): the Pallas
+    kernel is an opaque call XLA would otherwise run on a gathered pool."""
+    attend = functools.partial(_paged_attention, scale=scale, implementation=implementation)
+    mesh = sharding.current_mesh()
+    if mesh is None:
+        return attend(q, k_pages, v_pages, page_table, q_pos)
+    in_specs, out_spec = sharding.paged_attention_specs(mesh, q.shape[0], k_pages.shape[2])
+    return jax.shard_map(attend, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=False)(
+        q, k_pages, v_pages, page_table, q_pos)
+
+
 def delta_rule(q, k, v, g, beta, state, implementation=None):
-    """The gated delta rule with q/k L2-normalised inside; see pallas_kernels.gated_delta_rule."""
-    return chunk_gated_delta_rule(
-        q, k, v, g, beta, initial_state=state, use_qk_l2norm_in_kernel=True, implementation=implementation
-    )
+    """The gated delta rule with q/k L2-normalised inside; see pallas_kernels.gated_delta_rule.
+
+    Under a multi-device mesh (`sharding.mesh_scope`) it runs per head shard in `shard_map`:
+    heads are independent, so nothing is communicated inside, and the kernels see local shapes.
+    """
+    rule = functools.partial(chunk_gated_delta_rule, use_qk_l2norm_in_kernel=True, implementation=implementation)
+    mesh = sharding.current_mesh()
+    if mesh is None:
+        return rule(q, k, v, g, beta, initial_state=state)
+    in_specs, out_specs = sharding.delta_rule_specs(mesh, q.shape[0], q.shape[2])
+    local = lambda q, k, v, g, beta, s: rule(q, k, v, g, beta, initial_state=s)  # noqa: E731
+    # check_vma off: the Pallas kernels do not declare how their outputs vary over the mesh.
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
+        q, k, v, g, beta, state)

@@ -93,6 +93,9 @@ class Params:
     lm_head: Any  # [D, vocab], or None when tied to embed
     extra: dict = struct.field(default_factory=dict)  # checkpoint tensors kept verbatim (none today)
     mtp: Any = None  # MTPParams, or None when the checkpoint has no MTP head
+    # The jax.sharding.Mesh the leaves are placed on (hybridjax.sharding.shard_params), static so
+    # that `forward` sees it while tracing; None on one device.
+    mesh: Any = struct.field(pytree_node=False, default=None)
 
 
 # --- shapes ---------------------------------------------------------------------------
