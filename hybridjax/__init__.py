@@ -48,8 +48,16 @@ def load(path, dtype=None, mesh=None):
     return _load(path, dtype=dtype, mesh=mesh)
 
 
+def save_hf(params, cfg, out_dir, **kw):
+    """Write params as an HF safetensors model directory (config.json, shards and index) that
+    `load_hf` and transformers read; see `conversion.to_hf.write_hf` for the options."""
+    from conversion import write_hf
+
+    return write_hf(params, cfg, out_dir, **kw)
+
+
 __all__ = [
     "Cache", "Config", "ConfigError", "GDNState", "KVState", "MeshError", "Model", "Params", "config_from_dict",
     "forward", "init_cache", "init_params", "load", "load_config", "load_hf", "load_model", "make_mesh", "reserve",
-    "shard_cache", "shard_params",
+    "save_hf", "shard_cache", "shard_params",
 ]

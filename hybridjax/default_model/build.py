@@ -184,13 +184,13 @@ def export(params, cfg, tok, out: Path, report: dict) -> None:
     """An HF-layout directory that hybridjax.load (and transformers, for the main model) read."""
     import shutil
 
-    from conversion import write_hf
+    import hybridjax
     from hybridjax.tokenizer import save_tokenizer
 
     tmp = out.parent / f".{out.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    write_hf(params, cfg, tmp)
+    hybridjax.save_hf(params, cfg, tmp)
     (tmp / "config.json").write_text(json.dumps({**CONFIG, "dtype": "bfloat16"}, indent=2) + "\n")
     (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0], "pad_token_id": 0}, indent=2) + "\n")
     save_tokenizer(tok, tmp)

@@ -352,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_serve(sub)
     _add_convert(sub)
-    from hybridjax.cli_train import add_train
+    from hybridjax.cli.train import add_train
 
     add_train(sub, _positive_int)
     for p in sub.choices.values():
