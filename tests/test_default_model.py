@@ -56,10 +56,13 @@ def test_corpus_is_deterministic():
 # made in (one signature's default is the repr of the live logging handlers; pytest replaces
 # sys.unraisablehook and threading.excepthook), so it is reproduced the way the build made it.
 REPRODUCE = """
-import json, jax
+import json, sys, jax
 from hybridjax import train
 from hybridjax.default_model import WEIGHTS_DIR, build, corpus, default_model
 docs = corpus.documents()
+# One signature's default is sys.executable (platform.architecture): put back the build's path,
+# so a checkout anywhere reproduces the build's text exactly.
+docs = json.loads(json.dumps(docs).replace(json.dumps(sys.executable)[1:-1], json.dumps(EXECUTABLE)[1:-1]))
 train_ex = corpus.examples([d for d in docs if not corpus.held_out(d["name"])])
 eval_ex = corpus.examples([d for d in docs if corpus.held_out(d["name"])])
 tok = build.train_tokenizer(build._tokenizer_texts(train_ex))
@@ -77,7 +80,8 @@ print("RESULT", json.dumps({"fingerprint": corpus.fingerprint(docs), "held_out_t
 @pytest.mark.skipif(not SAME_PYTHON, reason=f"the weights were built with Python {BUILD['python']}")
 def test_build_reproduces_the_data_tokenizer_and_held_out_loss():
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, "-c", REPRODUCE], capture_output=True, text=True, env=env, timeout=1200)
+    script = f"EXECUTABLE = {BUILD['executable']!r}\n" + REPRODUCE
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=1200)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert line is not None, proc.stderr[-3000:]
     got = json.loads(line[len("RESULT "):])

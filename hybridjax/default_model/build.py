@@ -137,7 +137,7 @@ def build(out: Path, work: Path, steps: int = STEPS, resume: bool = False, progr
     shipped = hybridjax.params.cast_params(hybridjax.params.cast_params(state.params, "bfloat16"), "float32")
     report = evaluate(shipped, cfg, tok, ids, flags, e_ids, e_flags)
     report.update(
-        python=sys.version.split()[0], platform=platform.platform(), corpus_sha256=corpus.fingerprint(docs),
+        python=sys.version.split()[0], executable=sys.executable, platform=platform.platform(), corpus_sha256=corpus.fingerprint(docs),
         documents={"train": len(train_docs), "held_out": len(eval_docs)},
         tokens={"train": int(len(ids)), "held_out": int(len(e_ids)), "train_counted": int(flags.sum())},
         steps=steps, batch=BATCH, seq_len=SEQ_LEN, lr=LR, seed=SEED, mtp_weight=MTP_WEIGHT,
