@@ -85,7 +85,7 @@ def hybridjax_fns(model_dir: Path, a):
     from hybridjax.cache import init_cache
 
     cfg, params = hybridjax.load_hf(model_dir, dtype="float32")
-    argmax = jax.jit(lambda logits: jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32))
+    argmax = jax.jit(lambda logits: jnp.argmax(logits.reshape(logits.shape[0], -1, logits.shape[-1])[:, -1], axis=-1).astype(jnp.int32))
     tokens = prompt(a.prefill)[None]
     pre_cache = init_cache(cfg, 1, a.prefill, capacity=a.prefill)
     total = DECODE_PROMPT + a.decode
@@ -225,7 +225,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--crossover", action="store_true")
     a = ap.parse_args(argv)
     if a.crossover:

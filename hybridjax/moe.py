@@ -27,9 +27,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from hybridjax import ops
+import functools
+
+from hybridjax import cpu_kernels, ops
 from hybridjax.config import Config
-from pallas_kernels.grouped_matmul import grouped_matmul
+from pallas_kernels.grouped_matmul import default_tile_rows, grouped_matmul, tgmm_xla
 
 Array = jax.Array
 
@@ -37,6 +39,10 @@ Array = jax.Array
 # matvecs, no sort); more take the sort + grouped-matmul path. Measured (benchmarks/bench_moe.py
 # --crossover, hidden 512, expert FFN 256, 2-core EPYC): see benchmarks/README.md.
 GATHER_MAX_PAIRS = 16
+# On CPU, grouped tiles of up to this many rows go to the CPU kernel's indexed matmul (experts
+# read in place, all tiles in one call); larger tiles to the XLA loop, whose per-expert weight
+# copy is then small beside the tile's compute.
+CPU_KERNEL_MAX_TILE_ROWS = cpu_kernels.MAX_ROWS
 
 
 class Routing(NamedTuple):
@@ -92,15 +98,31 @@ def grouped_experts(gate: Array, up: Array, down: Array, xs: Array, group_sizes:
     """The expert SwiGLU on rows sorted by expert: xs [M, D], gate/up [E, D, I], down [E, I, D]
     -> float32 [M, D] (rows past the groups: zeros)."""
     def gmm(a, w):
-        return grouped_matmul(a, w, group_sizes, implementation=implementation)
+        return _gmm(a, w, group_sizes, implementation)
 
     h = (jax.nn.silu(gmm(xs, gate)) * gmm(xs, up)).astype(xs.dtype)  # [M, I]
     return gmm(h, down)
 
 
 def gathered_experts(gate: Array, up: Array, down: Array, x: Array, r: Routing) -> Array:
-    """Each valid row through its k experts only, one (row, expert) pair per loop step: the
-    step reads that expert's weights and nothing else. x [N, D] -> float32 [N, D]."""
+    """Each valid row through its k experts only: reads those experts' weights and nothing else.
+    x [N, D] -> float32 [N, D]. On CPU one indexed-matmul call per weight (all pairs at once,
+    experts read in place); elsewhere a loop over the (row, expert) pairs."""
+    if _cpu_kernel_ok(x, gate):
+        return jax.lax.platform_dependent(gate, up, down, x, r, cpu=_gathered_cpu, default=_gathered_loop)
+    return _gathered_loop(gate, up, down, x, r)
+
+
+def _gathered_cpu(gate, up, down, x, r: Routing) -> Array:
+    n, k = r.experts.shape
+    idx = jnp.where(r.valid[:, None], r.experts, -1).reshape(-1)  # [N*k]; -1: nothing read
+    xp = jnp.repeat(x, k, axis=0)[:, None, :]  # [N*k, 1, D], pair p = row * k + j
+    h = jax.nn.silu(cpu_kernels.matmul_indexed(xp, gate, idx)) * cpu_kernels.matmul_indexed(xp, up, idx)
+    y = cpu_kernels.matmul_indexed(h.astype(x.dtype), down, idx).reshape(n, k, -1)  # [N, k, D]
+    return jnp.einsum("nk,nkd->nd", jnp.where(r.valid[:, None], r.weights, 0.0), y)
+
+
+def _gathered_loop(gate, up, down, x, r: Routing) -> Array:
     n, k = r.experts.shape
 
     def pair(i, out):
@@ -116,6 +138,64 @@ def gathered_experts(gate: Array, up: Array, down: Array, x: Array, r: Routing) 
         return jax.lax.cond(r.valid[row], run, lambda out: out, out)
 
     return jax.lax.fori_loop(0, n * k, pair, jnp.zeros(x.shape, jnp.float32))
+
+
+def _cpu_kernel_ok(x: Array, w: Array) -> bool:
+    return (cpu_kernels.supports(1, x.dtype, w.dtype) and w.dtype != jnp.int8 and cpu_kernels.enabled())
+
+
+def _gmm(x: Array, w: Array, group_sizes: Array, implementation: str | None) -> Array:
+    """grouped_matmul, with small tiles on CPU sent to the indexed CPU kernel."""
+    tm = default_tile_rows(x.shape[0], w.shape[0])
+    xla = functools.partial(grouped_matmul, implementation=implementation)
+    if implementation is None and tm <= CPU_KERNEL_MAX_TILE_ROWS and _cpu_kernel_ok(x, w):
+        return jax.lax.platform_dependent(x, w, group_sizes, cpu=functools.partial(_gmm_cpu, tm=tm), default=xla)
+    return xla(x, w, group_sizes)
+
+
+def _tiles(group_sizes: Array, m: int, tm: int):
+    """The tiles of rows sorted by group, aligned to each group's first row (so a group of up to
+    tm rows is one tile and its expert is read once): group g's tile j covers rows
+    start_g + j * tm + [0, tm), masked to the group. At most ceil(m / tm) + min(G, m) tiles
+    (static); unused ones get group -1. Returns rows [T, tm], mask [T, tm], group [T]."""
+    g = group_sizes.shape[0]
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    n_tiles = (group_sizes + tm - 1) // tm
+    cum = jnp.cumsum(n_tiles)
+    t = jnp.arange(-(-m // tm) + min(g, m))
+    grp = jnp.minimum(jnp.searchsorted(cum, t, side="right"), g - 1)
+    rows = (starts[grp] + (t - (cum - n_tiles)[grp]) * tm)[:, None] + jnp.arange(tm)[None, :]  # [T, tm]
+    used = t < cum[-1]
+    mask = used[:, None] & (rows < ends[grp][:, None])
+    return jnp.clip(rows, 0, m), mask, jnp.where(used, grp, -1).astype(jnp.int32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _gmm_cpu(x, w, group_sizes, tm, transposed=False):
+    """grouped_matmul's contract on the CPU kernel: every tile gathered ([T, tm, K], activations
+    only), one indexed-matmul call reading each tile's expert in place, rows put back (each row
+    is unmasked in exactly one tile; masked ones land on a dropped extra row)."""
+    m = x.shape[0]
+    rows, mask, grp = _tiles(group_sizes, m, tm)
+    xp = jnp.pad(x, ((0, 1), (0, 0)))  # row m: a zero row for the masked tail of a tile
+    y = cpu_kernels.matmul_indexed(xp[jnp.where(mask, rows, m)], w, grp, transposed=transposed)  # [T, tm, N]
+    out = jnp.zeros((m + 1, y.shape[-1]), jnp.float32).at[jnp.where(mask, rows, m)].add(y)
+    return out[:m]
+
+
+def _gmm_cpu_fwd(x, w, group_sizes, tm, transposed):
+    return _gmm_cpu(x, w, group_sizes, tm, transposed), (x, w, group_sizes)
+
+
+def _gmm_cpu_bwd(tm, transposed, res, dy):
+    x, w, group_sizes = res  # as pallas_kernels.grouped_matmul's VJP: dx grouped, dw per group
+    dx = _gmm_cpu(dy, w, group_sizes, tm, not transposed)
+    dw = tgmm_xla(dy, x, group_sizes, w.shape[0]) if transposed else tgmm_xla(x, dy, group_sizes, w.shape[0])
+    return dx.astype(x.dtype), dw.astype(w.dtype), None
+
+
+_gmm_cpu.defvjp(_gmm_cpu_fwd, _gmm_cpu_bwd)
 
 
 def _dot(a: Array, w: Array) -> Array:
