@@ -31,7 +31,7 @@ import functools
 
 from hybridjax import cpu_kernels, ops
 from hybridjax.config import Config
-from pallas_kernels.grouped_matmul import default_tile_rows, grouped_matmul, tgmm_xla
+from pallas_kernels.grouped_matmul import default_tile_rows, group_tiles, grouped_matmul, tgmm_xla
 
 Array = jax.Array
 
@@ -153,31 +153,15 @@ def _gmm(x: Array, w: Array, group_sizes: Array, implementation: str | None) -> 
     return xla(x, w, group_sizes)
 
 
-def _tiles(group_sizes: Array, m: int, tm: int):
-    """The tiles of rows sorted by group, aligned to each group's first row (so a group of up to
-    tm rows is one tile and its expert is read once): group g's tile j covers rows
-    start_g + j * tm + [0, tm), masked to the group. At most ceil(m / tm) + min(G, m) tiles
-    (static); unused ones get group -1. Returns rows [T, tm], mask [T, tm], group [T]."""
-    g = group_sizes.shape[0]
-    ends = jnp.cumsum(group_sizes)
-    starts = ends - group_sizes
-    n_tiles = (group_sizes + tm - 1) // tm
-    cum = jnp.cumsum(n_tiles)
-    t = jnp.arange(-(-m // tm) + min(g, m))
-    grp = jnp.minimum(jnp.searchsorted(cum, t, side="right"), g - 1)
-    rows = (starts[grp] + (t - (cum - n_tiles)[grp]) * tm)[:, None] + jnp.arange(tm)[None, :]  # [T, tm]
-    used = t < cum[-1]
-    mask = used[:, None] & (rows < ends[grp][:, None])
-    return jnp.clip(rows, 0, m), mask, jnp.where(used, grp, -1).astype(jnp.int32)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _gmm_cpu(x, w, group_sizes, tm, transposed=False):
-    """grouped_matmul's contract on the CPU kernel: every tile gathered ([T, tm, K], activations
-    only), one indexed-matmul call reading each tile's expert in place, rows put back (each row
-    is unmasked in exactly one tile; masked ones land on a dropped extra row)."""
+    """grouped_matmul's contract on the CPU kernel: every tile of `group_tiles` gathered
+    ([T, tm, K], activations only), one indexed-matmul call reading each tile's expert in place,
+    rows put back (each row is owned by exactly one tile; the rest land on a dropped extra row)."""
     m = x.shape[0]
-    rows, mask, grp = _tiles(group_sizes, m, tm)
+    start, count, grp = group_tiles(group_sizes, m, tm)
+    offset = jnp.arange(tm)[None, :]
+    rows, mask = start[:, None] + offset, offset < count[:, None]  # [T, tm]
     xp = jnp.pad(x, ((0, 1), (0, 0)))  # row m: a zero row for the masked tail of a tile
     y = cpu_kernels.matmul_indexed(xp[jnp.where(mask, rows, m)], w, grp, transposed=transposed)  # [T, tm, N]
     out = jnp.zeros((m + 1, y.shape[-1]), jnp.float32).at[jnp.where(mask, rows, m)].add(y)

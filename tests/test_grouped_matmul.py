@@ -1,4 +1,5 @@
-"""pallas_kernels.grouped_matmul and the CPU kernel's indexed matmul against the naive reference.
+"""pallas_kernels.grouped_matmul (XLA loop, ragged_dot, the Pallas kernel in the interpreter and
+lowered for CUDA) and the CPU kernel's indexed matmul against the naive reference.
 
 Cases: empty groups, a group of one row, rows past the groups (must come out zero), tiles that
 straddle groups, transposed weights, gradients (against autodiff of the plain reference, which
@@ -9,16 +10,18 @@ accumulated in float32 by both, 1e-5 as well, against the reference on the same 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from hybridjax import cpu_kernels, moe
-from pallas_kernels.grouped_matmul import gmm_reference, grouped_matmul, tgmm_reference, tgmm_xla
+from pallas_kernels.grouped_matmul import gmm_pallas, gmm_reference, grouped_matmul, tgmm_reference, tgmm_xla
 
 RTOL = 1e-5
-M, K, N = 37, 16, 24
+M, K, N = 37, 16, 32  # K, N multiples of 16: the Pallas kernel takes them
 SIZES = np.array([5, 0, 12, 1, 0, 15], np.int32)  # sum 33 < M: four rows past the groups
 
 
@@ -37,7 +40,8 @@ def operands(dtype=jnp.float32, transposed=False):
 _gmm = jax.jit(grouped_matmul, static_argnames=("transpose_rhs", "implementation", "tile_rows"))
 
 
-@pytest.mark.parametrize("implementation,tile_rows", [("xla", None), ("xla", 1), ("xla", 4), ("ragged_dot", None)])
+@pytest.mark.parametrize("implementation,tile_rows", [("xla", None), ("xla", 1), ("xla", 4), ("ragged_dot", None),
+                                                     ("pallas", None), (None, None)])
 @pytest.mark.parametrize("transposed", [False, True])
 def test_forward_equals_reference(implementation, tile_rows, transposed):
     x, w, gs = operands(transposed=transposed)
@@ -97,16 +101,42 @@ def test_indexed_cpu_kernel():
     assert np.all(np.asarray(got)[~np.asarray(live[:, 0, 0])] == 0)
     assert err_ratio(got, ref) < RTOL
     assert err_ratio(cpu_kernels.matmul_indexed(x, jnp.swapaxes(w, 1, 2), index, transposed=True), ref) < RTOL
-    g = jax.grad(lambda x, w: jnp.sum(cpu_kernels.matmul_indexed(x, w, index) ** 2), (0, 1))(x, w)
+    g = jax.jit(jax.grad(lambda x, w: jnp.sum(cpu_kernels.matmul_indexed(x, w, index) ** 2), (0, 1)))(x, w)
     gr = jax.grad(lambda x, w: jnp.sum(jnp.where(live, jnp.einsum("brk,bkn->brn", x, w[jnp.clip(index, 0, e - 1)]), 0) ** 2),
                   (0, 1))(x, w)
     for a, b in zip(g, gr):
         assert err_ratio(a, b) < RTOL
 
 
+def test_pallas_bfloat16_and_many_groups_in_the_interpreter():
+    """Tiles of 16+ rows over groups of 1..9 rows (most tiles mostly masked), bf16 operands."""
+    sizes = jnp.asarray(np.random.RandomState(0).randint(0, 10, 6), jnp.int32)
+    x, w = jax.random.normal(jax.random.PRNGKey(4), (40, 32)), jax.random.normal(jax.random.PRNGKey(5), (6, 32, 48))
+    for dtype in (jnp.float32, jnp.bfloat16):
+        xs, ws = x.astype(dtype), w.astype(dtype)
+        ref = gmm_reference(xs.astype(jnp.float32), ws.astype(jnp.float32), sizes)
+        assert err_ratio(jax.jit(functools.partial(gmm_pallas, interpret=True))(xs, ws, sizes), ref) < RTOL, dtype
+
+
+def test_lowers_for_cuda_with_the_triton_kernel():
+    """implementation=None lowered for a GPU carries the Triton kernel (forward and the dx of the
+    backward); lowered for CPU it does not."""
+    x, w, gs = operands()
+
+    def loss(x, w):
+        return jnp.sum(grouped_matmul(x, w, gs) ** 2)
+
+    cuda = jax.jit(jax.grad(loss, (0, 1))).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    assert cuda.count("__gpu$xla.gpu.triton") >= 2
+    cpu = jax.jit(jax.grad(loss, (0, 1))).trace(x, w).lower(lowering_platforms=("cpu",)).as_text()
+    assert "__gpu$xla.gpu.triton" not in cpu
+
+
 def test_bad_arguments_are_named():
     x, w, gs = operands()
     with pytest.raises(ValueError, match="unknown implementation"):
-        grouped_matmul(x, w, gs, implementation="pallas")
+        grouped_matmul(x, w, gs, implementation="triton")
+    with pytest.raises(ValueError, match="multiple of 16"):
+        grouped_matmul(x[:, :10], w[:, :10], gs, implementation="pallas")
     with pytest.raises(ValueError, match="K of x"):
         grouped_matmul(x[:, :3], w, gs)
