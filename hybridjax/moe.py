@@ -35,9 +35,10 @@ from pallas_kernels.grouped_matmul import default_tile_rows, group_tiles, groupe
 
 Array = jax.Array
 
-# Up to this many (token, expert) pairs a layer gathers each pair's expert weights (a loop of
-# matvecs, no sort); more take the sort + grouped-matmul path. Measured (benchmarks/bench_moe.py
-# --crossover, hidden 512, expert FFN 256, 2-core EPYC): see benchmarks/README.md.
+# Up to this many (token, expert) pairs a layer gathers each pair's expert weights (no sort);
+# more take the sort + grouped-matmul path, where rows sharing an expert read it once. Measured
+# (benchmarks/bench_moe.py --crossover: E = 128, hidden 512, expert FFN 256, 2-core EPYC,
+# benchmarks/README.md): within noise of each other up to ~20 pairs, grouped ahead from ~40.
 GATHER_MAX_PAIRS = 16
 # On CPU, grouped tiles of up to this many rows go to the CPU kernel's indexed matmul (experts
 # read in place, all tiles in one call); larger tiles to the XLA loop, whose per-expert weight
