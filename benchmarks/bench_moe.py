@@ -183,7 +183,6 @@ def crossover(a) -> None:
     import jax.numpy as jnp
 
     from hybridjax import moe
-    from hybridjax.config import Config  # noqa: F401  (a duck-typed stand-in below)
     from hybridjax.params import MLPParams, MoEParams
 
     e, d, i = 128, 512, 256
