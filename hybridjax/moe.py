@@ -10,8 +10,15 @@
 
 Routing is the model's contract (transformers' Qwen3NextSparseMoeBlock / Qwen3_5MoeSparseMoeBlock):
 router logits and softmax in float32, `lax.top_k` (ties go to the lower expert id), weights
-renormalised over the k chosen when `norm_topk_prob`. Rows with valid False (right padding,
-inactive engine slots) are routed nowhere: no expert runs for them and their output is zero.
+renormalised over the k chosen when `norm_topk_prob`. torch.topk may break exact ties in
+another order, so on exactly tied router scores the chosen experts can differ from
+transformers'; the tests pin routed == dense for a given selection. Rows with valid False (right
+padding, inactive engine slots) are routed nowhere: no expert runs for them, their output is zero.
+
+Expert compute: on CPU, `hybridjax.cpu_kernels.matmul_indexed` reads each chosen expert in place
+(XLA:CPU copies a dynamically sliced expert before a dot, ~25 us per 512 KB) for the gathered
+path and for grouped tiles of up to 8 rows; otherwise `pallas_kernels.grouped_matmul` (the XLA
+group loop on CPU, the Pallas kernel when lowered for a GPU).
 
 Dispatch and combine are separate from the expert compute so that expert parallelism can put an
 all-to-all between them later. The grouped path has no capacity limit and drops no token: its
@@ -22,12 +29,11 @@ float32 and returned in x's dtype.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-
-import functools
 
 from hybridjax import cpu_kernels, ops
 from hybridjax.config import Config
