@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from hybridjax import ops
 from hybridjax.cache import GDNState, KVState, PagedKV
 from hybridjax.config import Config
+from hybridjax.moe import routed_experts
 from hybridjax.params import AttentionParams, DecoderLayer, GDNParams, MLPParams, MoEParams
 
 Array = jax.Array
@@ -83,27 +84,15 @@ def mlp(p: MLPParams, x: Array) -> Array:
     return ops.dense(jax.nn.silu(ops.dense(x, p.gate)) * ops.dense(x, p.up), p.down)
 
 
-def moe(p: MoEParams, x: Array, cfg: Config) -> Array:
-    """Top-k routed experts plus a sigmoid-gated shared expert. x [..., D].
+def moe(p: MoEParams, x: Array, cfg: Config, valid: Array | None = None) -> Array:
+    """Top-k routed experts plus a sigmoid-gated shared expert. x [..., D]; valid [...] (optional):
+    rows routed at all (pads and inactive rows cost no expert work; their routed part is zero).
 
-    Every expert runs on every token and the top-k combine weights select: simple and exact,
-    and on tiny test models cheaper than a gather. Router softmax in float32.
-    """
+    Only the chosen experts run (hybridjax.moe: sorted grouped matmuls for many tokens, gathered
+    expert weights for a few), so the cost follows k, not the number of experts."""
     shape = x.shape
     xs = x.reshape(-1, shape[-1])  # [N, D]
-    probs = jax.nn.softmax(ops.dense(xs, p.router).astype(jnp.float32), axis=-1)  # [N, E]
-    top_w, top_i = jax.lax.top_k(probs, cfg.num_experts_per_tok)  # [N, k]
-    if cfg.norm_topk_prob:
-        top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
-    n = xs.shape[0]
-    combine = jnp.zeros_like(probs).at[jnp.arange(n)[:, None], top_i].add(top_w)  # [N, E]
-
-    def einsum(spec, a, b):  # float32 accumulation, as in ops.dense
-        return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32).astype(xs.dtype)
-
-    h = jax.nn.silu(einsum("nd,edi->eni", xs, p.gate)) * einsum("nd,edi->eni", xs, p.up)
-    experts = einsum("eni,eid->end", h, p.down)  # [E, N, D]
-    routed = jnp.einsum("ne,end->nd", combine.astype(xs.dtype), experts)
+    routed = routed_experts(p, xs, None if valid is None else valid.reshape(-1), cfg)
     shared = mlp(p.shared, xs) * jax.nn.sigmoid(ops.dense(xs, p.shared_gate).astype(jnp.float32)).astype(xs.dtype)
     return (routed + shared).reshape(shape)
 
@@ -117,5 +106,5 @@ def decoder_layer(p: DecoderLayer, x: Array, state, starts: Array, valid: Array,
         h, state = gated_attention(p.mixer, h, state, starts, valid, cfg, implementation)
     x = x + h
     h = ops.rms_norm(x, p.post_norm, cfg.rms_norm_eps)
-    h = moe(p.ffn, h, cfg) if isinstance(p.ffn, MoEParams) else mlp(p.ffn, h)
+    h = moe(p.ffn, h, cfg, valid) if isinstance(p.ffn, MoEParams) else mlp(p.ffn, h)
     return x + h, state

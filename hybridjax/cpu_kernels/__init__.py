@@ -3,6 +3,8 @@
     y = matmul(x, w)              # x [..., R, K] float32 | bfloat16; w [K, N] float32 | bfloat16
     y = matmul(x, q, scale)       # q [K, N] int8, scale [N] float32: y = (x @ q) * scale
     y = matmul(x, e, transposed=True)   # e [N, K]: y = x @ e.T (a tied embedding as the head)
+    y = matmul_indexed(x, w, index)     # x [B, R, K], w [E, K, N], index [B]: y[b] = x[b] @ w[index[b]]
+                                        # (routed experts, read in place; index outside [0, E): zeros)
                                   # y [..., R, N] float32, accumulated in float32
 
 A decode step reads every weight once per token, so it is bound by memory bandwidth, and
@@ -41,6 +43,7 @@ log = logging.getLogger(__name__)
 
 ISAS = ("scalar", "avx2", "avx512", "avx512bf16")  # in the kernel's numbering, 0..3
 TARGET = "hybridjax_cpu_matmul"
+TARGET_INDEXED = "hybridjax_cpu_matmul_indexed"
 # Rows up to which `dense` prefers the kernel (the engine's decode slots); prefill, with more
 # rows, keeps XLA's matmuls, which are compute-bound there and fast.
 MAX_ROWS = 8
@@ -74,6 +77,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         lib.HjBestIsa.restype = ctypes.c_int
         lib.HjHelperItems.restype = ctypes.c_int64
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.HjMatmul), platform="cpu")
+        jax.ffi.register_ffi_target(TARGET_INDEXED, jax.ffi.pycapsule(lib.HjMatmulIndexed), platform="cpu")
     except (OSError, AttributeError, RuntimeError, ValueError) as e:
         return None, f"the C++ extension {path.name} failed to load: {e}"
     return lib, None
@@ -210,6 +214,49 @@ def matmul(x, w, scale=None, *, transposed: bool = False, isa: str | None = None
     if scale is not None:
         scale = scale.reshape((1,) * len(lead) + scale.shape)
     return _matmul(x, w, scale, _isa_code(isa), int(max_threads), int(tile_cols), bool(transposed))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5))
+def _matmul_indexed(x, w, index, isa, max_threads, transposed):
+    n = w.shape[1] if transposed else w.shape[2]
+    out = jax.ShapeDtypeStruct(x.shape[:-1] + (n,), jnp.float32)
+    call = jax.ffi.ffi_call(TARGET_INDEXED, out, vmap_method="sequential")
+    return call(x, w, index, isa=np.int64(isa), max_threads=np.int64(max_threads), tile_cols=np.int64(0),
+                transposed=bool(transposed))
+
+
+@_matmul_indexed.defjvp
+def _matmul_indexed_jvp(isa, max_threads, transposed, primals, tangents):
+    # Linear in x and w: the tangent gathers the experts with XLA (transposable for grad).
+    x, w, index = primals
+    dx, dw, _ = tangents
+    y = _matmul_indexed(x, w, index, isa, max_threads, transposed)
+    live = ((index >= 0) & (index < w.shape[0]))[:, None, None]
+    safe = jnp.clip(index, 0, w.shape[0] - 1)
+    spec = "brk,bnk->brn" if transposed else "brk,bkn->brn"
+    f32 = jnp.float32
+    dy = (jnp.einsum(spec, dx.astype(f32), w[safe].astype(f32))
+          + jnp.einsum(spec, x.astype(f32), dw[safe].astype(f32)))
+    return y, jnp.where(live, dy, 0.0)
+
+
+def matmul_indexed(x, w, index, *, transposed: bool = False, isa: str | None = None, max_threads: int | None = None):
+    """x [B, R, K] (float32 | bfloat16), w [E, K, N] (float32 | bfloat16), index [B] int32 ->
+    float32 [B, R, N] with y[b] = x[b] @ w[index[b]]: each batch reads its own expert in place.
+    An index outside [0, E) gives zeros and costs nothing. transposed: w is [E, N, K].
+    Differentiable (the tangent gathers with XLA); only lowers for CPU."""
+    if not available():
+        raise RuntimeError(load_error())
+    x, w, index = jnp.asarray(x), jnp.asarray(w), jnp.asarray(index, jnp.int32)
+    k_axis = 2 if transposed else 1
+    if x.ndim != 3 or w.ndim != 3 or index.shape != x.shape[:1] or x.shape[-1] != w.shape[k_axis]:
+        raise ValueError(f"matmul_indexed: x [B, R, K], w [E, K, N] (or [E, N, K] transposed), index [B]; "
+                         f"got {x.shape}, {w.shape}, {index.shape}")
+    if x.dtype not in (jnp.float32, jnp.bfloat16) or w.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"matmul_indexed: x and w must be float32 or bfloat16, got {x.dtype}, {w.dtype}")
+    if max_threads is None:
+        max_threads = int(os.environ.get("HYBRIDJAX_CPU_THREADS", "0") or 0)
+    return _matmul_indexed(x, w, index, _isa_code(isa), int(max_threads), bool(transposed))
 
 
 def quantize_int8(w):

@@ -24,6 +24,11 @@
 // Leading (vmap) dimensions: x [..., R, K], w [..., K, N] (scale [..., 1, N]), y [..., R, N]; a
 // leading dimension of size 1 broadcasts. When w has no batch, all of x's rows share one
 // pass over w.
+//
+// Indexed (HjMatmulIndexed, the routed experts of a MoE layer): x [B, R, K], w [E, K, N] (or
+// [E, N, K]), index [B] int32, y [B, R, N]: batch b multiplies by w[index[b]], read in place
+// (a dynamic slice in XLA:CPU would copy the expert first); an index outside [0, E) gives
+// zeros and reads nothing (a pad or an unused tile).
 
 #include <atomic>
 #include <cstdint>
@@ -575,13 +580,22 @@ int64_t BatchIndex(ffi::AnyBuffer::Dimensions d, ffi::AnyBuffer::Dimensions yd, 
   return index;
 }
 
-ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                  std::optional<ffi::AnyBuffer> scale, ffi::Result<ffi::AnyBuffer> y,
-                  int64_t isa_cap, int64_t max_threads, int64_t tile_cols, bool transposed) {
+ffi::Error MatmulCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                      std::optional<ffi::AnyBuffer> scale, std::optional<ffi::AnyBuffer> index,
+                      ffi::Result<ffi::AnyBuffer> y, int64_t isa_cap, int64_t max_threads,
+                      int64_t tile_cols, bool transposed) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() < 2 || wd.size() != xd.size() || yd.size() != xd.size())
     return ffi::Error::InvalidArgument("hj_matmul: x [..., R, K], w [..., K, N], y [..., R, N] of equal rank");
   const size_t nb = xd.size() - 2;
+  const int32_t* experts = nullptr;
+  if (index) {
+    auto id = index->dimensions();
+    if (xd.size() != 3 || index->element_type() != ffi::DataType::S32 || id.size() != 1 ||
+        id[0] != yd[0] || xd[0] != yd[0] || scale)
+      return ffi::Error::InvalidArgument("hj_matmul_indexed: x [B, R, K], w [E, K, N], index [B] int32, no scale");
+    experts = static_cast<const int32_t*>(index->untyped_data());
+  }
   const int64_t R = xd[nb], K = xd[nb + 1], N = wd[transposed ? nb : nb + 1];
   if (wd[transposed ? nb + 1 : nb] != K || yd[nb] != R || yd[nb + 1] != N)
     return ffi::Error::InvalidArgument("hj_matmul: shapes do not fit x [..., R, K] @ w [..., K, N] (or w^T)");
@@ -601,7 +615,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
         return ffi::Error::InvalidArgument("hj_matmul: leading dims must equal y's or be 1");
   }
   for (size_t i = 0; i < nb; ++i)
-    if ((xd[i] != 1 && xd[i] != yd[i]) || (wd[i] != 1 && wd[i] != yd[i]))
+    if ((xd[i] != 1 && xd[i] != yd[i]) || (!experts && wd[i] != 1 && wd[i] != yd[i]))
       return ffi::Error::InvalidArgument("hj_matmul: leading dims must equal y's or be 1");
 
   auto plan = std::make_shared<Plan>();
@@ -614,7 +628,8 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
 
   // Batch: y's leading dims, flattened. A weight without batch serves all of x's rows at once.
   const int64_t batch = Prod(yd, 0, nb);
-  const bool w_shared = Prod(wd, 0, nb) == 1 && (!scale || Prod(scale->dimensions(), 0, nb) == 1);
+  const bool w_shared = !experts && Prod(wd, 0, nb) == 1 && (!scale || Prod(scale->dimensions(), 0, nb) == 1);
+  const int64_t num_experts = experts ? wd[0] : 0;
   const int64_t groups = w_shared ? 1 : batch;
   const int64_t rows_per_group = w_shared ? batch * R : R;
   const int64_t total_rows = batch * R;
@@ -650,7 +665,13 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
 
   const size_t wbytes = wtype == hj::kF32 ? 4 : wtype == hj::kBF16 ? 2 : 1;
   float* yp = static_cast<float*>(y->untyped_data());
+  int64_t live_groups = 0;
   for (int64_t g = 0; g < groups; ++g) {
+    if (experts && (experts[g] < 0 || experts[g] >= num_experts)) {  // routed nowhere: zeros
+      std::memset(yp + g * rows_per_group * N, 0, sizeof(float) * rows_per_group * N);
+      continue;
+    }
+    ++live_groups;
     Job j;
     j.rows = rows_per_group;
     j.k = K;
@@ -661,7 +682,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
     j.x = dp ? nullptr : plan->xf.data() + row_off * K;
     j.xhi = dp ? plan->xhi.data() + row_off * kp : nullptr;
     j.xlo = plan->split ? plan->xlo.data() + row_off * kp : nullptr;
-    const int64_t wi = w_shared ? 0 : BatchIndex(wd, yd, nb, g);
+    const int64_t wi = experts ? experts[g] : w_shared ? 0 : BatchIndex(wd, yd, nb, g);
     j.w = static_cast<const char*>(w.untyped_data()) + wi * K * N * wbytes;
     const int64_t si = scale && !w_shared ? BatchIndex(scale->dimensions(), yd, nb, g) : 0;
     j.scale = scale ? static_cast<const float*>(scale->untyped_data()) + si * N : nullptr;
@@ -670,7 +691,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   }
 
   // Helpers only when there is enough weight to stream (scheduling costs a few microseconds).
-  const int64_t weight_bytes = groups * K * N * int64_t(wbytes);
+  const int64_t weight_bytes = live_groups * K * N * int64_t(wbytes);
   int64_t threads = pool.num_threads();
   if (max_threads > 0 && threads > max_threads) threads = max_threads;
   if (threads < 1 || weight_bytes < (int64_t(1) << 18)) threads = 1;
@@ -683,7 +704,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   const int64_t want = tile_cols > 0 ? tile_cols : (auto_tc > 512 ? auto_tc : 512);
   const int64_t tc = (want + 31) / 32 * 32;
   const int64_t tiles = (N + tc - 1) / tc;
-  for (int g = 0; g < int(groups); ++g)
+  for (int g = 0; g < int(plan->jobs.size()); ++g)
     for (int64_t r0 = 0; r0 < rows_per_group; r0 += hj::kMaxRows)
       for (int64_t t = 0; t < tiles; ++t) {
         int rows = int(rows_per_group - r0 < hj::kMaxRows ? rows_per_group - r0 : hj::kMaxRows);
@@ -692,7 +713,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
       }
   plan->tile_floats = int64_t(hj::kMaxRows) * tc;
   if (plan->items.empty() || K == 0) {
-    std::memset(yp, 0, sizeof(float) * batch * R * N);
+    if (!experts || K == 0) std::memset(yp, 0, sizeof(float) * batch * R * N);
     return ffi::Error::Success();
   }
   if (threads > int64_t(plan->items.size())) threads = int64_t(plan->items.size());
@@ -714,11 +735,24 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   return ffi::Error::Success();
 }
 
+ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                  std::optional<ffi::AnyBuffer> scale, ffi::Result<ffi::AnyBuffer> y,
+                  int64_t isa_cap, int64_t max_threads, int64_t tile_cols, bool transposed) {
+  return MatmulCore(pool, x, w, scale, std::nullopt, y, isa_cap, max_threads, tile_cols, transposed);
+}
+
+ffi::Error MatmulIndexed(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer index,
+                         ffi::Result<ffi::AnyBuffer> y, int64_t isa_cap, int64_t max_threads,
+                         int64_t tile_cols, bool transposed) {
+  return MatmulCore(pool, x, w, std::nullopt, index, y, isa_cap, max_threads, tile_cols, transposed);
+}
+
 }  // namespace
 
-// The two symbols Python loads (the library is built with hidden visibility).
+// The symbols Python loads (the library is built with hidden visibility).
 #define HJ_EXPORT extern "C" __attribute__((visibility("default")))
 HJ_EXPORT XLA_FFI_Error* HjMatmul(XLA_FFI_CallFrame* call_frame);
+HJ_EXPORT XLA_FFI_Error* HjMatmulIndexed(XLA_FFI_CallFrame* call_frame);
 HJ_EXPORT int HjBestIsa();
 HJ_EXPORT int64_t HjHelperItems();
 
@@ -736,3 +770,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HjMatmul, Matmul,
 
 int HjBestIsa() { return hj::BestIsa(); }
 int64_t HjHelperItems() { return hj::helper_items.load(std::memory_order_relaxed); }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HjMatmulIndexed, MatmulIndexed,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x [B, R, K]
+                                  .Arg<ffi::AnyBuffer>()  // w [E, K, N] (or [E, N, K])
+                                  .Arg<ffi::AnyBuffer>()  // index [B] int32
+                                  .Ret<ffi::AnyBuffer>()  // y [B, R, N]
+                                  .Attr<int64_t>("isa")
+                                  .Attr<int64_t>("max_threads")
+                                  .Attr<int64_t>("tile_cols")
+                                  .Attr<bool>("transposed"));
