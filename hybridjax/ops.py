@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from hybridjax import cpu_kernels
 from pallas_kernels.gated_delta_rule import chunk_gated_delta_rule
+from pallas_kernels.gated_delta_rule.common import l2norm
 from pallas_kernels.paged_attention import paged_attention  # noqa: F401  (the model's one way in)
 
 Array = jax.Array
@@ -163,3 +164,31 @@ def delta_rule(q, k, v, g, beta, state, implementation=None):
     return chunk_gated_delta_rule(
         q, k, v, g, beta, initial_state=state, use_qk_l2norm_in_kernel=True, implementation=implementation
     )
+
+
+def delta_rule_steps(q, k, v, g, beta, state):
+    """The gated delta rule token by token, keeping the state after every token: for
+    speculative verification, where the state after the last accepted token is wanted and
+    recurrent state cannot be trimmed. q/k L2-normalised inside, float32 throughout, the same
+    recurrence and order as `pallas_kernels.gated_delta_rule.reference` (what the xla path runs
+    for a few tokens), so its outputs equal a decode step's.
+
+    q, k [B, T, Hk, K]; v [B, T, Hv, V]; g, beta [B, T, Hv]; state [B, Hv, K, V].
+    Returns (o [B, T, Hv, V] in v's dtype, states [B, T, Hv, K, V] float32: after token t).
+    """
+    f32, hi = jnp.float32, jax.lax.Precision.HIGHEST
+    r = v.shape[2] // q.shape[2]
+    q = jnp.repeat(l2norm(q), r, axis=2) * q.shape[-1] ** -0.5  # value head h reads key head h // r
+    k = jnp.repeat(l2norm(k), r, axis=2)
+
+    def step(s, xs):
+        q_t, k_t, v_t, g_t, b_t = xs  # [B, Hv, K] x2, [B, Hv, V], [B, Hv] x2
+        s = s * jnp.exp(g_t)[:, :, None, None]
+        kv_mem = jnp.einsum("bhk,bhkv->bhv", k_t, s, precision=hi)
+        delta = b_t[:, :, None] * (v_t - kv_mem)
+        s = s + jnp.einsum("bhk,bhv->bhkv", k_t, delta, precision=hi)
+        return s, (jnp.einsum("bhk,bhkv->bhv", q_t, s, precision=hi), s)
+
+    xs = tuple(jnp.moveaxis(x.astype(f32), 1, 0) for x in (q, k, v, g, beta))
+    _, (o, states) = jax.lax.scan(step, state.astype(f32), xs)  # [T, B, ...]
+    return jnp.moveaxis(o, 0, 1).astype(v.dtype), jnp.moveaxis(states, 0, 1)
