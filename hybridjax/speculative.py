@@ -158,21 +158,23 @@ def take_position(new: Cache, old: Cache, n_fed: Array) -> Cache:
 
 def draft(params: Params, st: SpecState, tok0: Array, sp: Sampler, k: int, cfg: Config):
     """k drafts per row after tok0 [B]: (drafts [B, k], q [B, k, vocab], new MTP KV). The first
-    MTP pass also writes the pairs of the tokens accepted at the last step."""
+    MTP pass also writes the pairs of the tokens accepted at the last step; the other k - 1 run
+    one position each, in a scan (one compiled copy of the layer, not k)."""
     b = tok0.shape[0]
     n = st.cache.lengths  # tok0 goes at position n; the MTP pair (h_{n-1}, tok0) at n - 1
     tokens = st.tokens.at[jnp.arange(b), st.last].set(tok0)
     logits, out, kv = mtp_forward(params, st.hidden, tokens, st.mtp, n - 1 - st.last, cfg)
-    logits, h = _rows(logits, st.last), _rows(out, st.last)
-    drafts, qs = [], []
-    for j in range(k):
-        d, q = draft_token(logits, sp.params, _keys(sp, _DRAFT + j))
-        drafts.append(d)
-        qs.append(q)
-        if j + 1 < k:  # the head's own output and its draft make the next pair, at position n + j
-            logits, h, kv = mtp_forward(params, h[:, None], d[:, None], kv, n + j, cfg)
-            logits, h = logits[:, 0], h[:, 0]
-    return jnp.stack(drafts, 1), jnp.stack(qs, 1), kv
+    d, q = draft_token(_rows(logits, st.last), sp.params, _keys(sp, _DRAFT))
+
+    def more(carry, j):  # the head's own output and its last draft make the next pair, at n + j
+        h, d, kv = carry
+        logits, h, kv = mtp_forward(params, h[:, None], d[:, None], kv, n + j, cfg)
+        d, q = draft_token(logits[:, 0], sp.params, _keys(sp, _DRAFT + 1 + j))
+        return (h[:, 0], d, kv), (d, q)
+
+    (_, _, kv), (ds, qs) = jax.lax.scan(more, (_rows(out, st.last), d, kv), jnp.arange(k - 1))
+    drafts = jnp.concatenate([d[:, None], jnp.moveaxis(ds, 0, 1)], axis=1)  # [B, k]
+    return drafts, jnp.concatenate([q[:, None], jnp.moveaxis(qs, 0, 1)], axis=1), kv
 
 
 def spec_step(params: Params, st: SpecState, sampler: Sampler, active: Array, budget: Array, stop_ids: Array,
@@ -200,18 +202,19 @@ def spec_step(params: Params, st: SpecState, sampler: Sampler, active: Array, bu
     logits = lm_logits(params, hidden)  # [B, K+1, vocab]
 
     # 4. accept the longest passing prefix, token by token (penalties see the accepted ones)
-    n_acc = jnp.zeros((b,), jnp.int32)
-    forced = jnp.full((b,), -1, jnp.int32)
-    stopped = active & ~going
-    for j in range(k):
-        pen = apply_penalties(logits[:, j], sampler.params, sampler.seen, sampler.out_counts)
-        ok, resid = judge(pen, drafts[:, j], qs[:, j], sampler.params, _keys(sampler, _ACCEPT), _keys(sampler, _RESIDUAL))
+    def judge_next(carry, xs):
+        sampler, n_acc, forced, going, stopped = carry
+        target, d, q, j = xs
+        pen = apply_penalties(target, sampler.params, sampler.seen, sampler.out_counts)
+        ok, resid = judge(pen, d, q, sampler.params, _keys(sampler, _ACCEPT), _keys(sampler, _RESIDUAL))
         acc, rej = going & ok, going & ~ok
-        forced = jnp.where(rej, resid, forced)
-        sampler = _record(sampler, drafts[:, j], acc)
-        n_acc = n_acc + acc
-        end = acc & (_is_stop(drafts[:, j], stop_ids) | (budget <= j + 2))
-        stopped, going = stopped | end, acc & ~end
+        sampler = _record(sampler, d, acc)
+        end = acc & (_is_stop(d, stop_ids) | (budget <= j + 2))
+        return (sampler, n_acc + acc, jnp.where(rej, resid, forced), acc & ~end, stopped | end), None
+
+    xs = (jnp.moveaxis(logits[:, :k], 1, 0), drafts.T, jnp.moveaxis(qs, 1, 0), jnp.arange(k))
+    init = (sampler, jnp.zeros((b,), jnp.int32), jnp.full((b,), -1, jnp.int32), going, active & ~going)
+    (sampler, n_acc, forced, _, stopped), _ = jax.lax.scan(judge_next, init, xs)
 
     # 5. the state after the last accepted token
     n_fed = jnp.where(active, n_acc + 1, 0)
