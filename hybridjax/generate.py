@@ -163,6 +163,7 @@ def generate(
     sampling: SamplingParams | None = None,
     speculative_tokens: int = 0,
     rollback: str = "states",
+    adaptive: bool = True,
 ) -> Generation:
     """Prefill ragged prompts and decode until each row stops, in one jitted call.
 
@@ -173,7 +174,8 @@ def generate(
     speculative_tokens K (1..4, needs params.mtp): draft K tokens per step with the MTP head
     and verify them in one forward (`hybridjax.speculative`); greedy output is the same token
     for token, sampled output has the same distribution. `rollback`: "states" or "rerun" (how
-    the state after the last accepted token is had; see there).
+    the state after the last accepted token is had; see there). `adaptive`: decode without
+    drafts while the acceptance is too low for drafting to pay (probing again now and then).
     """
     b = len(prompts)
     if b == 0 or any(len(p) == 0 for p in prompts):
@@ -192,7 +194,7 @@ def generate(
     if speculative_tokens:
         check_speculative(params, speculative_tokens, rollback)
         out, n_gen, st = generate_speculative(params, tokens, counts, cache, sampler, stops, jnp.asarray(max_new), cfg,
-                                              out_len, speculative_tokens, rollback)
+                                              out_len, speculative_tokens, rollback, adaptive)
         return Generation(out, n_gen, st.cache, st.logits, st.drafted, st.accepted)
     return _generate(params, tokens, counts, cache, sampler, stops, jnp.asarray(max_new), cfg, out_len)
 

@@ -63,9 +63,17 @@ class SpecState:
     forced: Array  # [B] int32: the next token when a rejection already drew it, else -1
     drafted: Array  # [B] int32: drafts proposed so far (acceptance statistics)
     accepted: Array  # [B] int32: drafts accepted so far
+    rate: Array  # [] float32: moving estimate of the batch's draft acceptance (adaptive mode)
+    steps: Array  # [] int32: steps taken (adaptive mode probes every PROBE_EVERY)
 
 
 MAX_DRAFT = 4
+# Adaptive mode: the acceptance rate below which a step of K drafts costs more than it gains
+# (1 + K * rate tokens per step against the step's cost relative to a plain decode step,
+# measured on the embedded default on CPU: benchmarks/bench_speculative.py --head random), and
+# how often a plain-decoding batch tries drafting again.
+MIN_RATE = {1: 0.3, 2: 0.5, 3: 0.55, 4: 0.6}
+PROBE_EVERY = 16
 
 
 def check_speculative(params: Params, k: int, rollback: str = "states") -> None:
@@ -163,8 +171,9 @@ def draft(params: Params, st: SpecState, tok0: Array, sp: Sampler, k: int, cfg: 
     b = tok0.shape[0]
     n = st.cache.lengths  # tok0 goes at position n; the MTP pair (h_{n-1}, tok0) at n - 1
     tokens = st.tokens.at[jnp.arange(b), st.last].set(tok0)
-    logits, out, kv = mtp_forward(params, st.hidden, tokens, st.mtp, n - 1 - st.last, cfg)
-    d, q = draft_token(_rows(logits, st.last), sp.params, _keys(sp, _DRAFT))
+    out, kv = mtp_hidden(params, st.hidden, tokens, st.mtp, n - 1 - st.last, cfg)
+    out = _rows(out, st.last)  # the LM head only where a row drafts from
+    d, q = draft_token(lm_logits(params, out), sp.params, _keys(sp, _DRAFT))
 
     def more(carry, j):  # the head's own output and its last draft make the next pair, at n + j
         h, d, kv = carry
@@ -172,7 +181,7 @@ def draft(params: Params, st: SpecState, tok0: Array, sp: Sampler, k: int, cfg: 
         d, q = draft_token(logits[:, 0], sp.params, _keys(sp, _DRAFT + 1 + j))
         return (h[:, 0], d, kv), (d, q)
 
-    (_, _, kv), (ds, qs) = jax.lax.scan(more, (_rows(out, st.last), d, kv), jnp.arange(k - 1))
+    (_, _, kv), (ds, qs) = jax.lax.scan(more, (out, d, kv), jnp.arange(k - 1))
     drafts = jnp.concatenate([d[:, None], jnp.moveaxis(ds, 0, 1)], axis=1)  # [B, k]
     return drafts, jnp.concatenate([q[:, None], jnp.moveaxis(qs, 0, 1)], axis=1), kv
 
@@ -186,12 +195,7 @@ def spec_step(params: Params, st: SpecState, sampler: Sampler, active: Array, bu
     """
     b = active.shape[0]
     # 1. the first token: drawn from the logits, or the residual a rejection drew last step
-    pen = apply_penalties(st.logits, sampler.params, sampler.seen, sampler.out_counts)
-    drawn = jax.lax.cond(_any_sampling(sampler.params),
-                         lambda _: _sample_rows(pen, sampler), lambda _: jnp.argmax(pen, -1).astype(jnp.int32), None)
-    tok0 = jnp.where(st.forced >= 0, st.forced, drawn)
-    sampler = _record(sampler, tok0, active)
-    going = active & ~_is_stop(tok0, stop_ids) & (budget > 1)
+    tok0, sampler, going = first_token(st, sampler, active, budget, stop_ids)
     proposing = going
 
     # 2. draft, 3. verify [t0, d_1 .. d_k] in one forward
@@ -232,8 +236,43 @@ def spec_step(params: Params, st: SpecState, sampler: Sampler, active: Array, bu
         forced=keep(forced, st.forced),
         drafted=st.drafted + jnp.where(proposing, k, 0),
         accepted=st.accepted + n_acc,
+        rate=jnp.where(jnp.any(proposing), 0.5 * st.rate + 0.5 * jnp.sum(n_acc) / jnp.maximum(k * jnp.sum(proposing), 1),
+                       st.rate),
+        steps=st.steps + 1,
     )
     return fed, n_fed, stopped, new, sampler
+
+
+def first_token(st: SpecState, sampler: Sampler, active: Array, budget: Array, stop_ids: Array):
+    """The step's first token [B] (drawn from the logits as `next_token` draws, or the residual a
+    rejection drew), the sampler after it, and which rows go on (no stop token, budget left)."""
+    pen = apply_penalties(st.logits, sampler.params, sampler.seen, sampler.out_counts)
+    drawn = jax.lax.cond(_any_sampling(sampler.params),
+                         lambda _: _sample_rows(pen, sampler), lambda _: jnp.argmax(pen, -1).astype(jnp.int32), None)
+    tok0 = jnp.where(st.forced >= 0, st.forced, drawn)
+    return tok0, _record(sampler, tok0, active), active & ~_is_stop(tok0, stop_ids) & (budget > 1)
+
+
+def plain_step(params: Params, st: SpecState, sampler: Sampler, active: Array, budget: Array, stop_ids: Array,
+               k: int, cfg: Config):
+    """A step without drafts (`spec_step`'s signature and results): one token fed. The MTP layer
+    is skipped too (it would cost a layer per token), so its KV misses these positions' pairs:
+    later drafts attend over stale keys there, which only lowers acceptance."""
+    b = active.shape[0]
+    tok0, sampler, going = first_token(st, sampler, active, budget, stop_ids)
+    hidden, cache = forward_hidden(params, tok0[:, None], st.cache, cfg, token_counts=active.astype(jnp.int32))
+    keep = lambda new, old: jnp.where(active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)  # noqa: E731
+    new = st.replace(
+        cache=cache,
+        hidden=keep(jnp.zeros_like(st.hidden).at[:, 0].set(hidden[:, 0]), st.hidden),
+        tokens=keep(jnp.zeros_like(st.tokens), st.tokens),
+        last=keep(jnp.zeros_like(st.last), st.last),
+        logits=keep(lm_logits(params, hidden[:, 0]), st.logits),
+        forced=keep(jnp.full_like(st.forced, -1), st.forced),
+        steps=st.steps + 1,
+    )
+    fed = jnp.concatenate([tok0[:, None], jnp.zeros((b, k), jnp.int32)], axis=1)
+    return fed, active.astype(jnp.int32), active & ~going, new, sampler
 
 
 def _is_stop(tok: Array, stop_ids: Array) -> Array:
@@ -264,13 +303,22 @@ def prefill(params: Params, tokens: Array, counts: Array, cache: Cache, k: int, 
         tokens=jnp.zeros((b, k + 1), jnp.int32), last=jnp.zeros((b,), jnp.int32),
         logits=lm_logits(params, last_h), forced=jnp.full((b,), -1, jnp.int32),
         drafted=jnp.zeros((b,), jnp.int32), accepted=jnp.zeros((b,), jnp.int32),
+        rate=jnp.float32(1.0), steps=jnp.int32(0),
     )
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "out_len", "k", "rollback"))
-def generate_speculative(params, tokens, counts, cache, sampler, stop_ids, max_new, cfg, out_len, k, rollback="states"):
+def speculate_now(st: SpecState, k: int) -> Array:
+    """Adaptive mode: draft this step if the acceptance estimate says drafting pays (above
+    MIN_RATE[k], measured by benchmarks/bench_speculative.py), or to probe it again."""
+    return (st.rate >= MIN_RATE[k]) | (st.steps % PROBE_EVERY == 0)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "out_len", "k", "rollback", "adaptive"))
+def generate_speculative(params, tokens, counts, cache, sampler, stop_ids, max_new, cfg, out_len, k, rollback="states",
+                         adaptive=False):
     """The speculative twin of `generate._generate`: (out [B, out_len], n_generated [B], final
-    SpecState). The final cache covers the prompt and every generated token, as there."""
+    SpecState). The final cache covers the prompt and every generated token, as there.
+    adaptive: steps without drafts while the acceptance estimate is too low (`speculate_now`)."""
     st = prefill(params, tokens, counts, cache, k, cfg)
     b = tokens.shape[0]
     out = jnp.zeros((b, out_len), jnp.int32)
@@ -283,7 +331,12 @@ def generate_speculative(params, tokens, counts, cache, sampler, stop_ids, max_n
     def body(c):
         st, sampler, out, n_gen, done = c
         active = ~done
-        fed, n_fed, stopped, st, sampler = spec_step(params, st, sampler, active, max_new - n_gen, stop_ids, k, cfg, rollback)
+        args = (params, st, sampler, active, max_new - n_gen, stop_ids)
+        if adaptive:
+            fed, n_fed, stopped, st, sampler = jax.lax.cond(
+                speculate_now(st, k), lambda a: spec_step(*a, k, cfg, rollback), lambda a: plain_step(*a, k, cfg), args)
+        else:
+            fed, n_fed, stopped, st, sampler = spec_step(*args, k, cfg, rollback)
         for i in range(k + 1):  # token i of the step goes to column n_gen + i
             out = jnp.where((cols == (n_gen + i)[:, None]) & (i < n_fed)[:, None], fed[:, i : i + 1], out)
         n_gen = n_gen + n_fed

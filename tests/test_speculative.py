@@ -4,7 +4,8 @@
   those n tokens (the "states" rollback).
 - Greedy: identical tokens with and without speculation on all four tiny architectures (random
   weights and random MTP heads: low acceptance, the rejection path), ragged batches, both
-  rollbacks; on the embedded default (trained MTP head: real acceptance) also from a kept cache.
+  rollbacks, adaptive mode (plain steps between probing drafts); on the embedded default (trained
+  MTP head: real acceptance, rows accepting different counts per step) also from a kept cache.
 - Sampling: the output distribution of three tokens (8-token vocabulary, 2 drafts per step)
   matches the exact one computed from the model's own probabilities, with and without
   penalties / top-k, by a chi-square test; the same samples against a wrong reference are
@@ -89,15 +90,20 @@ def test_greedy_tokens_identical_with_speculation(arch, with_mtp):
     cfg, params = with_mtp[arch]
     kw = dict(max_new_tokens=[14, 9], max_len=64)
     plain = generate(params, cfg, PROMPTS, **kw)
-    spec = generate(params, cfg, PROMPTS, speculative_tokens=2, **kw)
+    # adaptive on one arch: random heads are rejected, so it mixes plain steps with probing drafts
+    adaptive = arch == "qwen3_5_moe"
+    spec = generate(params, cfg, PROMPTS, speculative_tokens=2, adaptive=adaptive, **kw)
     assert_same_generation(spec, plain)
-    assert np.all(np.asarray(spec.drafted) > 0)
+    drafted, steps = np.asarray(spec.drafted), np.asarray(spec.n_generated) - np.asarray(spec.accepted)
+    every = 2 * (steps - 1)  # drafts when every step but the last drafts
+    assert np.all(drafted > 0) and (np.all(drafted < every) if adaptive else np.all(drafted >= every))
     if arch == "qwen3_5_dense":  # the other rollback, and a stop token in the middle of a row
         stop = plain.token_lists()[0][5]
         kw["stop_ids"] = [stop]
         plain = generate(params, cfg, PROMPTS, **kw)
         assert plain.token_lists()[0][-1] == stop
-        assert_same_generation(generate(params, cfg, PROMPTS, speculative_tokens=2, rollback="rerun", **kw), plain)
+        assert_same_generation(generate(params, cfg, PROMPTS, speculative_tokens=2, rollback="rerun", adaptive=False, **kw),
+                               plain)
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +185,7 @@ def test_rejection_sampling_keeps_the_distribution():
     sp = sampling_params(N_ROWS, temperature=[1.0] * half + [0.8] * half, top_k=[0] * half + [6] * half,
                          repetition_penalty=[1.0] * half + [1.6] * half, presence_penalty=[0.0] * half + [0.5] * half)
     g = generate(params, cfg, [PROMPT] * N_ROWS, max_new_tokens=NEW, seeds=range(N_ROWS), sampling=sp,
-                 speculative_tokens=2, max_len=16)
+                 speculative_tokens=2, adaptive=False, max_len=16)
     out = np.asarray(g.tokens)[:, :NEW]
     assert np.all(np.asarray(g.n_generated) == NEW)
     rate = np.asarray(g.accepted).sum() / np.asarray(g.drafted).sum()
@@ -189,3 +195,25 @@ def test_rejection_sampling_keeps_the_distribution():
     assert chi2_pvalue(out[:half], p_plain) > 1e-3
     assert chi2_pvalue(out[half:], p_pen) > 1e-3
     assert chi2_pvalue(out[half:], p_plain) < 1e-6  # power: the wrong reference is rejected
+
+
+def test_cli_speculative_tokens(hf_dirs, tmp_path, capsys):
+    import json
+
+    from hybridjax.cli import main
+
+    d = tmp_path / "m"
+    shutil.copytree(hf_dirs["qwen3_5_dense"], d)
+    hf_models.add_mtp_head(d, hf_models.load_torch(d))
+    base = ["generate", "--model", str(d), "--token-ids", "5,9,31,2", "--max-new-tokens", "6", "--json"]
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*base, "--speculative-tokens", "2"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["token_ids"] == plain["token_ids"] and spec["speculative"]["drafted"] > 0
+    for extra, message in [(["--speculative-tokens", "5"], "speculative tokens must be in 1..4"),
+                           (["--speculative-tokens", "2", "--stream"], "drop --stream")]:
+        assert main([*base, *extra]) == 1
+        assert message in capsys.readouterr().err
+    assert main(["generate", "--model", str(hf_dirs["qwen3_5_dense"]), "--token-ids", "5,9", "--speculative-tokens", "1"]) == 1
+    assert "needs an MTP head" in capsys.readouterr().err
