@@ -189,6 +189,10 @@ def delta_rule_steps(q, k, v, g, beta, state):
         s = s + jnp.einsum("bhk,bhv->bhkv", k_t, delta, precision=hi)
         return s, (jnp.einsum("bhk,bhkv->bhv", q_t, s, precision=hi), s)
 
-    xs = tuple(jnp.moveaxis(x.astype(f32), 1, 0) for x in (q, k, v, g, beta))
-    _, (o, states) = jax.lax.scan(step, state.astype(f32), xs)  # [T, B, ...]
-    return jnp.moveaxis(o, 0, 1).astype(v.dtype), jnp.moveaxis(states, 0, 1)
+    # Unrolled: T is a handful of tokens, and XLA:CPU fuses across an unrolled loop, not a scan.
+    s, outs, states = state.astype(f32), [], []
+    for t in range(q.shape[1]):
+        s, (o_t, _) = step(s, tuple(x[:, t].astype(f32) for x in (q, k, v, g, beta)))
+        outs.append(o_t)
+        states.append(s)
+    return jnp.stack(outs, 1).astype(v.dtype), jnp.stack(states, 1)

@@ -64,7 +64,9 @@ class SpecState:
     drafted: Array  # [B] int32: drafts proposed so far (acceptance statistics)
     accepted: Array  # [B] int32: drafts accepted so far
     rate: Array  # [] float32: moving estimate of the batch's draft acceptance (adaptive mode)
-    steps: Array  # [] int32: steps taken (adaptive mode probes every PROBE_EVERY)
+    steps: Array  # [] int32: steps taken
+    probe_at: Array  # [] int32: adaptive mode drafts again at this step, whatever the rate
+    probe_gap: Array  # [] int32: steps between probes (doubles while probes fail)
 
 
 MAX_DRAFT = 4
@@ -72,8 +74,9 @@ MAX_DRAFT = 4
 # (1 + K * rate tokens per step against the step's cost relative to a plain decode step,
 # measured on the embedded default on CPU: benchmarks/bench_speculative.py --head random), and
 # how often a plain-decoding batch tries drafting again.
-MIN_RATE = {1: 0.3, 2: 0.5, 3: 0.55, 4: 0.6}
-PROBE_EVERY = 16
+# (A drafting step cost 1.6-1.75 plain steps at K = 1, 2.0-2.3 at K = 2, ~3 at K = 4.)
+MIN_RATE = {1: 0.6, 2: 0.6, 3: 0.55, 4: 0.55}
+PROBE_EVERY, MAX_PROBE_GAP = 16, 256
 
 
 def check_speculative(params: Params, k: int, rollback: str = "states") -> None:
@@ -236,10 +239,13 @@ def spec_step(params: Params, st: SpecState, sampler: Sampler, active: Array, bu
         forced=keep(forced, st.forced),
         drafted=st.drafted + jnp.where(proposing, k, 0),
         accepted=st.accepted + n_acc,
-        rate=jnp.where(jnp.any(proposing), 0.5 * st.rate + 0.5 * jnp.sum(n_acc) / jnp.maximum(k * jnp.sum(proposing), 1),
-                       st.rate),
-        steps=st.steps + 1,
+        rate=st.rate, steps=st.steps + 1, probe_at=st.probe_at, probe_gap=st.probe_gap,
     )
+    rate = jnp.where(jnp.any(proposing), 0.5 * st.rate + 0.5 * jnp.sum(n_acc) / jnp.maximum(k * jnp.sum(proposing), 1),
+                     st.rate)
+    low = rate < MIN_RATE[k]  # a failed probe: wait twice as long for the next one
+    gap = jnp.where(low, jnp.minimum(2 * st.probe_gap, MAX_PROBE_GAP), PROBE_EVERY)
+    new = new.replace(rate=rate, probe_gap=gap, probe_at=jnp.where(low, st.steps + gap, st.probe_at))
     return fed, n_fed, stopped, new, sampler
 
 
@@ -303,14 +309,14 @@ def prefill(params: Params, tokens: Array, counts: Array, cache: Cache, k: int, 
         tokens=jnp.zeros((b, k + 1), jnp.int32), last=jnp.zeros((b,), jnp.int32),
         logits=lm_logits(params, last_h), forced=jnp.full((b,), -1, jnp.int32),
         drafted=jnp.zeros((b,), jnp.int32), accepted=jnp.zeros((b,), jnp.int32),
-        rate=jnp.float32(1.0), steps=jnp.int32(0),
+        rate=jnp.float32(1.0), steps=jnp.int32(0), probe_at=jnp.int32(0), probe_gap=jnp.int32(PROBE_EVERY // 2),
     )
 
 
 def speculate_now(st: SpecState, k: int) -> Array:
     """Adaptive mode: draft this step if the acceptance estimate says drafting pays (above
     MIN_RATE[k], measured by benchmarks/bench_speculative.py), or to probe it again."""
-    return (st.rate >= MIN_RATE[k]) | (st.steps % PROBE_EVERY == 0)
+    return (st.rate >= MIN_RATE[k]) | (st.steps >= st.probe_at)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "out_len", "k", "rollback", "adaptive"))
@@ -328,19 +334,21 @@ def generate_speculative(params, tokens, counts, cache, sampler, stop_ids, max_n
     def cond(c):
         return ~jnp.all(c[-1])
 
-    def body(c):
+    def advance(c, step):
         st, sampler, out, n_gen, done = c
-        active = ~done
-        args = (params, st, sampler, active, max_new - n_gen, stop_ids)
-        if adaptive:
-            fed, n_fed, stopped, st, sampler = jax.lax.cond(
-                speculate_now(st, k), lambda a: spec_step(*a, k, cfg, rollback), lambda a: plain_step(*a, k, cfg), args)
-        else:
-            fed, n_fed, stopped, st, sampler = spec_step(*args, k, cfg, rollback)
+        fed, n_fed, stopped, st, sampler = step(params, st, sampler, ~done, max_new - n_gen, stop_ids)
         for i in range(k + 1):  # token i of the step goes to column n_gen + i
             out = jnp.where((cols == (n_gen + i)[:, None]) & (i < n_fed)[:, None], fed[:, i : i + 1], out)
-        n_gen = n_gen + n_fed
-        return st, sampler, out, n_gen, done | stopped
+        return st, sampler, out, n_gen + n_fed, done | stopped
+
+    def drafting(*a):
+        return spec_step(*a, k, cfg, rollback)
+
+    def body(c):
+        if adaptive:  # plain steps in an inner loop (a lax.cond per step would copy the carried caches)
+            plain = lambda c: advance(c, lambda *a: plain_step(*a, k, cfg))  # noqa: E731
+            c = jax.lax.while_loop(lambda c: cond(c) & ~speculate_now(c[0], k), plain, c)
+        return advance(c, drafting)
 
     st, _, out, n_gen, _ = jax.lax.while_loop(cond, body, (st, sampler, out, jnp.zeros((b,), jnp.int32), done))
     return out, n_gen, st
