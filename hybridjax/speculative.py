@@ -19,7 +19,11 @@ of two ways (`rollback`): "states" keeps the state after every verified token (t
 runs the delta rule token by token, `ops.delta_rule_steps`) and picks one per row; "rerun" keeps
 the pre-verify cache (a value, so keeping it is free) and feeds it the accepted tokens again.
 Attention KV needs neither: keys past a row's length are invisible and later overwritten.
-benchmarks/bench_speculative.py measures both; "states" is the default (see there).
+"states" is the default: measured by benchmarks/bench_speculative.py on the embedded default,
+"rerun" decodes 1.5-2x slower at every K (it pays a second forward of the main model per step,
+"states" only one gather of a few per-token GDN states). Its price is memory: K + 1 recurrent
+states per GDN layer per row during the verify pass (for Qwen3-Next-80B's 36 GDN layers of
+32 x 128 x 128 float32, 2 MB each, about 0.36 GB per row at K = 4).
 
 The MTP layer keeps its own KV (positions of the main model's hidden states). Its pairs
 (h_p, x_{p+1}) for the accepted positions are written at the start of the next step (vLLM's
