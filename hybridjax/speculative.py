@@ -313,7 +313,7 @@ def prefill(params: Params, tokens: Array, counts: Array, cache: Cache, k: int, 
         tokens=jnp.zeros((b, k + 1), jnp.int32), last=jnp.zeros((b,), jnp.int32),
         logits=lm_logits(params, last_h), forced=jnp.full((b,), -1, jnp.int32),
         drafted=jnp.zeros((b,), jnp.int32), accepted=jnp.zeros((b,), jnp.int32),
-        rate=jnp.float32(1.0), steps=jnp.int32(0), probe_at=jnp.int32(0), probe_gap=jnp.int32(PROBE_EVERY // 2),
+        rate=jnp.float32(1.0), steps=jnp.int32(0), probe_at=jnp.int32(0), probe_gap=jnp.int32(PROBE_EVERY),
     )
 
 
