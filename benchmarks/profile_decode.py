@@ -67,7 +67,6 @@ def main(argv=None) -> int:
 
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     import bench_generate
     import hybridjax

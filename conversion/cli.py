@@ -129,7 +129,12 @@ def _summary(r: Report, say) -> None:
             say(f"dropped {len(r.dropped) - len(vision)} other tensor(s): {', '.join(n for n in r.dropped if n not in vision)}"
                 " (tied embeddings)")
     if r.kept:
-        say(f"kept {len(r.kept)} mtp.* tensor(s) verbatim in params.extra")
+        vision = [n for n in r.kept if n.startswith("model.visual.")]
+        if vision:
+            say(f"kept {len(vision)} vision-tower tensors (model.visual.*) verbatim in params.extra: not used by the text model")
+        if len(r.kept) > len(vision):
+            say(f"kept {len(r.kept) - len(vision)} other tensor(s) verbatim in params.extra: "
+                f"{', '.join(n for n in r.kept if n not in vision)}")
     for note in r.notes:
         say(note)
 

@@ -20,7 +20,7 @@ import ml_dtypes  # noqa: F401  registers bfloat16 / float8 with numpy
 import numpy as np
 from safetensors import safe_open
 
-from conversion.names import IGNORED_PREFIXES, KEPT_PREFIXES, MTP_PREFIX, Rule, rules_for
+from conversion.names import KEPT_PREFIXES, MTP_PREFIX, Rule, rules_for
 from hybridjax.config import Config, load_config, read_json
 from hybridjax.params import FLOAT32_LEAVES, Params, is_shape, param_shapes
 
@@ -138,7 +138,7 @@ def _check(rules: list[Rule], names: set[str], reader: TensorReader, cfg: Config
     expected = {n for r in rules for n in r.hf}
     missing = sorted(expected - names)
     unexpected = sorted(
-        n for n in names - expected if not n.startswith(IGNORED_PREFIXES + KEPT_PREFIXES)
+        n for n in names - expected if not n.startswith(KEPT_PREFIXES)
     )
     if cfg.tie_word_embeddings and "lm_head.weight" in unexpected:
         unexpected.remove("lm_head.weight")  # some tied checkpoints still store the copy
@@ -193,14 +193,16 @@ class HFSource:
 
     @property
     def kept(self) -> list[str]:
-        """Tensors carried verbatim into `params.extra` (mtp.*)."""
-        return sorted(n for n in self.names if n.startswith(KEPT_PREFIXES))
+        """Tensors no rule reads, carried verbatim into `params.extra` so that writing back to HF
+        gives every tensor of the source: the vision tower (model.visual.*), a tied checkpoint's
+        lm_head.weight copy."""
+        read = {n for r in self.rules for n in r.hf}
+        return sorted(self.names - read)
 
     @property
     def dropped(self) -> list[str]:
-        """Tensors left out on purpose: the vision tower, a tied checkpoint's lm_head copy."""
-        read = {n for r in self.rules for n in r.hf}
-        return sorted(n for n in self.names - read if not n.startswith(KEPT_PREFIXES))
+        """Tensors left out: none (every tensor is read by a rule or kept)."""
+        return []
 
     def stored_dtype(self) -> np.dtype:
         """The dtype of the embedding table, taken as the checkpoint's dtype."""
@@ -347,9 +349,8 @@ def read_params(src: HFSource, dtype="float32", progress: Callable[[int], None] 
         extra[n] = jnp.asarray(reader.get(n))
         if progress:
             progress(reader.nbytes(n))
-    skipped = [n for n in src.names if n.startswith(IGNORED_PREFIXES)]
-    if skipped:
-        log.info("skipped %d non-text tensors (%s...)", len(skipped), IGNORED_PREFIXES[0])
+    if extra:
+        log.info("kept %d tensors outside the text model verbatim in params.extra", len(extra))
     return assemble(cfg, leaves, extra)
 
 

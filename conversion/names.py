@@ -212,8 +212,9 @@ def rules_for(cfg: Config, root: str, fused_experts: bool, mtp: bool = False) ->
     return rules
 
 
-# Tensors of the checkpoint that are not the text model and are left out on purpose.
-IGNORED_PREFIXES = ("model.visual.",)
-# Tensors kept verbatim in Params.extra: none today (the MTP head, mtp.*, loads into Params.mtp).
-KEPT_PREFIXES: tuple[str, ...] = ()
+# Tensors that are not the text model, accepted and kept verbatim in Params.extra (opaque to the
+# model) so that a round trip back to HF gives every tensor of the source: the multimodal Qwen3.5's
+# vision tower. (The MTP head, mtp.*, loads into Params.mtp; a tied checkpoint's spare
+# lm_head.weight copy is kept in extra too.)
+KEPT_PREFIXES: tuple[str, ...] = ("model.visual.",)
 MTP_PREFIX = "mtp."

@@ -1,8 +1,8 @@
 """hybridjax Params -> a Hugging Face safetensors directory that transformers loads.
 
 Names follow the source layout: `model.language_model.` for the multimodal Qwen3.5 wrappers
-(`cfg.model_type` "qwen3_5" / "qwen3_5_moe"; the vision tower is not part of the text model
-and is not written), `model.` otherwise, per-expert MoE weights, no `lm_head.weight` when the
+(`cfg.model_type` "qwen3_5" / "qwen3_5_moe"; the vision tower, kept verbatim in
+`params.extra`, is written back as it came), `model.` otherwise, per-expert MoE weights, no `lm_head.weight` when the
 embeddings are tied. Tensors come from the exact inverse transforms of `conversion.names`.
 
 Streaming: the shard plan (names, dtypes, shapes, offsets) is computed first by running each
@@ -241,6 +241,6 @@ def export_hf(
         _config_json(checkpoint / "config.json", tmp / "config.json", model_dtype)
         copy_aux_files(checkpoint, tmp)
     notes = [f"{n_shards} shard(s)"]
-    if cfg.model_type in WRAPPER_TYPES:
-        notes.append("multimodal config: only the text model is written (no model.visual.* tensors)")
+    if cfg.model_type in WRAPPER_TYPES and not any(n.startswith("model.visual.") for n in info["extra"]):
+        notes.append("multimodal config without its vision tower: only the text model is written")
     return Report(Path(out), model_dtype, n, nbytes, time.perf_counter() - start, notes=notes)

@@ -24,7 +24,8 @@ from hybridjax.cache import Cache, KVState, init_cache, reserve
 from hybridjax.config import Config
 from hybridjax.model import forward
 from hybridjax.params import Params
-from hybridjax.sampling import SamplingParams, apply_penalties, row_keys, sample, sampling_params
+from hybridjax.sampling import Sampler, SamplingParams, init_sampler, next_token, sampling_params  # noqa: F401  (re-exported)
+from hybridjax.speculative import check_speculative, generate_speculative
 
 Array = jax.Array
 
@@ -56,41 +57,6 @@ def host_value(x) -> np.ndarray:
     from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
-# --- sampler state -----------------------------------------------------------------------
-
-
-@struct.dataclass
-class Sampler:
-    """Per-row sampling state carried between steps."""
-
-    params: SamplingParams
-    keys: Array  # [B] PRNG keys, one per row (from the row's seed)
-    step: Array  # [B] int32: tokens drawn so far (folded into the key)
-    seen: Array  # [B, vocab] bool: prompt and output tokens (repetition penalty)
-    out_counts: Array  # [B, vocab] int32: output tokens (presence / frequency penalties)
-
-
-def init_sampler(sp: SamplingParams, seeds: Sequence[int], vocab: int, tokens=None, counts=None) -> Sampler:
-    """A sampler for len(seeds) rows; `tokens [B, T]` / `counts [B]` mark the prompt as seen."""
-    b = len(seeds)
-    seen = jnp.zeros((b, vocab), bool)
-    if tokens is not None:
-        valid = np.arange(tokens.shape[1])[None] < np.asarray(counts)[:, None]
-        seen = seen.at[np.arange(b)[:, None], np.asarray(tokens)].max(jnp.asarray(valid))
-    return Sampler(sp, row_keys(seeds), jnp.zeros((b,), jnp.int32), seen, jnp.zeros((b, vocab), jnp.int32))
-
-
-def next_token(logits: Array, s: Sampler) -> tuple[Array, Sampler]:
-    """Draw one token per row from logits [B, vocab]; returns (tokens [B], new sampler)."""
-    logits = apply_penalties(logits, s.params, s.seen, s.out_counts)
-    keys = jax.vmap(jax.random.fold_in)(s.keys, s.step)
-    tok = sample(logits, s.params, keys)
-    rows = jnp.arange(tok.shape[0])
-    return tok, s.replace(
-        step=s.step + 1, seen=s.seen.at[rows, tok].set(True), out_counts=s.out_counts.at[rows, tok].add(1)
-    )
 
 
 # --- jitted steps ----------------------------------------------------------------------
@@ -157,6 +123,8 @@ class Generation:
     n_generated: Array  # [B]
     cache: Cache  # prompt + every generated token of each row
     logits: Array  # [B, vocab] after each row's last token (what a continuation samples from)
+    drafted: Array | None = None  # [B] speculative drafts proposed (None without speculation)
+    accepted: Array | None = None  # [B] of which accepted
 
     def token_lists(self) -> list[list[int]]:
         toks, n = host_value(self.tokens), host_value(self.n_generated)
@@ -202,6 +170,9 @@ def generate(
     stop_ids: Sequence[int] | None = None,
     seeds: Sequence[int] | None = None,
     sampling: SamplingParams | None = None,
+    speculative_tokens: int = 0,
+    rollback: str = "states",
+    adaptive: bool = True,
 ) -> Generation:
     """Prefill ragged prompts and decode until each row stops, in one jitted call.
 
@@ -210,6 +181,12 @@ def generate(
     what precedes the prompts; it is not donated, so it stays usable (a snapshot). A new cache
     holds up to `max_len` tokens (default: the model's context; memory grows with use), so the
     returned `.cache` can be continued. Default sampling is greedy.
+
+    speculative_tokens K (1..4, needs params.mtp): draft K tokens per step with the MTP head
+    and verify them in one forward (`hybridjax.speculative`); greedy output is the same token
+    for token, sampled output has the same distribution. `rollback`: "states" or "rerun" (how
+    the state after the last accepted token is had; see there). `adaptive`: decode without
+    drafts while the acceptance is too low for drafting to pay (probing again now and then).
     """
     b = len(prompts)
     if b == 0 or any(len(p) == 0 for p in prompts):
@@ -226,6 +203,11 @@ def generate(
     sampler = init_sampler(sp, seeds if seeds is not None else [0] * b, cfg.vocab_size, tokens, counts)
     stop_ids = cfg.eos_token_id if stop_ids is None else stop_ids
     stops = jnp.asarray(np.array(list(stop_ids) or [-1], np.int32))
+    if speculative_tokens:
+        check_speculative(params, speculative_tokens, rollback)
+        out, n_gen, st = generate_speculative(params, tokens, counts, cache, sampler, stops, jnp.asarray(max_new), cfg,
+                                              out_len, speculative_tokens, rollback, adaptive)
+        return Generation(out, n_gen, st.cache, st.logits, st.drafted, st.accepted)
     return _generate(params, tokens, counts, cache, sampler, stops, jnp.asarray(max_new), cfg, out_len)
 
 

@@ -20,8 +20,13 @@ from hybridjax.params import AttentionParams, DecoderLayer, GDNParams, MLPParams
 Array = jax.Array
 
 
-def gated_deltanet(p: GDNParams, x: Array, state: GDNState, valid: Array, cfg: Config, implementation=None):
-    """Gated DeltaNet token mixer. x [B, T, D] -> ([B, T, D], new GDNState)."""
+def gated_deltanet(p: GDNParams, x: Array, state: GDNState, valid: Array, cfg: Config, implementation=None,
+                   all_states: bool = False):
+    """Gated DeltaNet token mixer. x [B, T, D] -> ([B, T, D], new GDNState).
+
+    all_states: return the state after every token instead, GDNState(conv [B, T, W-1, C],
+    ssm [B, T, Hv, K, V]) (speculative verification; every token must be real, valid ignored).
+    """
     b, t, _ = x.shape
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     kd, vd = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -39,7 +44,13 @@ def gated_deltanet(p: GDNParams, x: Array, state: GDNState, valid: Array, cfg: C
     g = -jnp.exp(p.A_log.astype(jnp.float32)) * jax.nn.softplus(a + p.dt_bias.astype(jnp.float32))
     beta, g = jnp.where(valid[..., None], beta, 0.0), jnp.where(valid[..., None], g, 0.0)
 
-    o, ssm = ops.delta_rule(q.astype(x.dtype), k.astype(x.dtype), v, g, beta, state.ssm, implementation)
+    if all_states:
+        o, ssm = ops.delta_rule_steps(q.astype(x.dtype), k.astype(x.dtype), v, g, beta, state.ssm)
+        full = jnp.concatenate([state.conv, qkv], axis=1)  # [B, W-1+T, C]: after token t, rows t+1 .. t+W-1
+        w = state.conv.shape[1]
+        conv_state = jnp.stack([full[:, i + 1 : i + 1 + w] for i in range(t)], axis=1)  # [B, T, W-1, C]
+    else:
+        o, ssm = ops.delta_rule(q.astype(x.dtype), k.astype(x.dtype), v, g, beta, state.ssm, implementation)
     z = ops.dense(x, p.in_z).reshape(b, t, hv, vd)
     y = ops.gated_rms_norm(o, z, p.norm, cfg.rms_norm_eps).reshape(b, t, hv * vd)
     return ops.dense(y, p.out_proj), GDNState(conv=conv_state, ssm=ssm)
@@ -97,11 +108,13 @@ def moe(p: MoEParams, x: Array, cfg: Config, valid: Array | None = None) -> Arra
     return (routed + shared).reshape(shape)
 
 
-def decoder_layer(p: DecoderLayer, x: Array, state, starts: Array, valid: Array, cfg: Config, implementation=None):
-    """Pre-norm residual block: x + mixer(norm(x)), then + ffn(norm(x))."""
+def decoder_layer(p: DecoderLayer, x: Array, state, starts: Array, valid: Array, cfg: Config, implementation=None,
+                  all_states: bool = False):
+    """Pre-norm residual block: x + mixer(norm(x)), then + ffn(norm(x)). all_states: a GDN layer
+    returns its state after every token (see `gated_deltanet`)."""
     h = ops.rms_norm(x, p.input_norm, cfg.rms_norm_eps)
     if isinstance(p.mixer, GDNParams):
-        h, state = gated_deltanet(p.mixer, h, state, valid, cfg, implementation)
+        h, state = gated_deltanet(p.mixer, h, state, valid, cfg, implementation, all_states)
     else:
         h, state = gated_attention(p.mixer, h, state, starts, valid, cfg, implementation)
     x = x + h

@@ -53,9 +53,14 @@ def forward_hidden(
     token_counts: Array | None = None,
     implementation: str | None = None,
     last_only: bool = False,
+    all_states: bool = False,
 ) -> tuple[Array, Cache]:
     """`forward` without the LM head: the final-normed hidden states [B, T, D] (or [B, 1, D] at
-    each row's last real token with `last_only`), the input of the LM head and of the MTP head."""
+    each row's last real token with `last_only`), the input of the LM head and of the MTP head.
+
+    all_states (speculative verification): every GDN layer of the returned cache holds its state
+    after each of the T tokens (conv [B, T, W-1, C], ssm [B, T, Hv, K, V]), to be cut at a chosen
+    token by `hybridjax.speculative.take_position`; KV is written for every real token."""
     tokens = jnp.asarray(tokens, jnp.int32)
     if tokens.ndim != 2:
         raise ValueError(f"forward: tokens must be int32 [B, T], got shape {tokens.shape}")
@@ -72,7 +77,7 @@ def forward_hidden(
     with sharding.mesh_scope(params.mesh):  # sharded params: ops see their mesh while tracing
         x = params.embed[tokens]  # [B, T, D]
         for layer, state in zip(params.layers, cache.layers):
-            x, state = decoder_layer(layer, x, state, starts, valid, cfg, implementation)
+            x, state = decoder_layer(layer, x, state, starts, valid, cfg, implementation, all_states)
             states.append(state)
     if last_only:  # prefill needs one row of logits, not T: skip the big vocab matmul
         last = jnp.maximum(counts - 1, 0)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from hybridjax import cpu_kernels, sharding
 from pallas_kernels.gated_delta_rule import chunk_gated_delta_rule
 from pallas_kernels.paged_attention import paged_attention as _paged_attention
+from pallas_kernels.gated_delta_rule.common import l2norm
 
 Array = jax.Array
 
@@ -189,3 +190,35 @@ def delta_rule(q, k, v, g, beta, state, implementation=None):
     # check_vma off: the Pallas kernels do not declare how their outputs vary over the mesh.
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
         q, k, v, g, beta, state)
+
+
+def delta_rule_steps(q, k, v, g, beta, state):
+    """The gated delta rule token by token, keeping the state after every token: for
+    speculative verification, where the state after the last accepted token is wanted and
+    recurrent state cannot be trimmed. q/k L2-normalised inside, float32 throughout, the same
+    recurrence and order as `pallas_kernels.gated_delta_rule.reference` (what the xla path runs
+    for a few tokens), so its outputs equal a decode step's.
+
+    q, k [B, T, Hk, K]; v [B, T, Hv, V]; g, beta [B, T, Hv]; state [B, Hv, K, V].
+    Returns (o [B, T, Hv, V] in v's dtype, states [B, T, Hv, K, V] float32: after token t).
+    """
+    f32, hi = jnp.float32, jax.lax.Precision.HIGHEST
+    r = v.shape[2] // q.shape[2]
+    q = jnp.repeat(l2norm(q), r, axis=2) * q.shape[-1] ** -0.5  # value head h reads key head h // r
+    k = jnp.repeat(l2norm(k), r, axis=2)
+
+    def step(s, xs):
+        q_t, k_t, v_t, g_t, b_t = xs  # [B, Hv, K] x2, [B, Hv, V], [B, Hv] x2
+        s = s * jnp.exp(g_t)[:, :, None, None]
+        kv_mem = jnp.einsum("bhk,bhkv->bhv", k_t, s, precision=hi)
+        delta = b_t[:, :, None] * (v_t - kv_mem)
+        s = s + jnp.einsum("bhk,bhv->bhkv", k_t, delta, precision=hi)
+        return s, (jnp.einsum("bhk,bhkv->bhv", q_t, s, precision=hi), s)
+
+    # Unrolled: T is a handful of tokens, and XLA:CPU fuses across an unrolled loop, not a scan.
+    s, outs, states = state.astype(f32), [], []
+    for t in range(q.shape[1]):
+        s, (o_t, _) = step(s, tuple(x[:, t].astype(f32) for x in (q, k, v, g, beta)))
+        outs.append(o_t)
+        states.append(s)
+    return jnp.stack(outs, 1).astype(v.dtype), jnp.stack(states, 1)

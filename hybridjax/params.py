@@ -91,7 +91,7 @@ class Params:
     layers: tuple  # tuple[DecoderLayer, ...]
     final_norm: Array  # [D]
     lm_head: Any  # [D, vocab], or None when tied to embed
-    extra: dict = struct.field(default_factory=dict)  # checkpoint tensors kept verbatim (none today)
+    extra: dict = struct.field(default_factory=dict)  # checkpoint tensors kept verbatim (vision tower; unused by the model)
     mtp: Any = None  # MTPParams, or None when the checkpoint has no MTP head
     # The jax.sharding.Mesh the leaves are placed on (hybridjax.sharding.shard_params), static so
     # that `forward` sees it while tracing; None on one device.

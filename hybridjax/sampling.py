@@ -118,3 +118,38 @@ def sample(logits: Array, sp: SamplingParams, keys: Array) -> Array:
 def row_keys(seeds: Sequence[int]) -> Array:
     """One PRNG key per row from integer seeds: a row's draws depend on its seed alone."""
     return jax.vmap(jax.random.PRNGKey)(jnp.asarray(np.asarray(seeds, np.uint32)))
+
+
+# --- sampler state -----------------------------------------------------------------------
+
+
+@struct.dataclass
+class Sampler:
+    """Per-row sampling state carried between steps."""
+
+    params: SamplingParams
+    keys: Array  # [B] PRNG keys, one per row (from the row's seed)
+    step: Array  # [B] int32: tokens drawn so far (folded into the key)
+    seen: Array  # [B, vocab] bool: prompt and output tokens (repetition penalty)
+    out_counts: Array  # [B, vocab] int32: output tokens (presence / frequency penalties)
+
+
+def init_sampler(sp: SamplingParams, seeds: Sequence[int], vocab: int, tokens=None, counts=None) -> Sampler:
+    """A sampler for len(seeds) rows; `tokens [B, T]` / `counts [B]` mark the prompt as seen."""
+    b = len(seeds)
+    seen = jnp.zeros((b, vocab), bool)
+    if tokens is not None:
+        valid = np.arange(tokens.shape[1])[None] < np.asarray(counts)[:, None]
+        seen = seen.at[np.arange(b)[:, None], np.asarray(tokens)].max(jnp.asarray(valid))
+    return Sampler(sp, row_keys(seeds), jnp.zeros((b,), jnp.int32), seen, jnp.zeros((b, vocab), jnp.int32))
+
+
+def next_token(logits: Array, s: Sampler) -> tuple[Array, Sampler]:
+    """Draw one token per row from logits [B, vocab]; returns (tokens [B], new sampler)."""
+    logits = apply_penalties(logits, s.params, s.seen, s.out_counts)
+    keys = jax.vmap(jax.random.fold_in)(s.keys, s.step)
+    tok = sample(logits, s.params, keys)
+    rows = jnp.arange(tok.shape[0])
+    return tok, s.replace(
+        step=s.step + 1, seen=s.seen.at[rows, tok].set(True), out_counts=s.out_counts.at[rows, tok].add(1)
+    )

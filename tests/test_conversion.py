@@ -1,9 +1,9 @@
 """`hybridjax convert`: HF -> checkpoint -> HF round trips, loading both kinds, every error.
 
-Round trips must be bit-identical: the transforms of conversion/names.py are exact inverses
-(transposes, reshapes, splits, stacks) and nothing is cast when the dtype is kept. The one
-deliberate loss: the multimodal Qwen3.5's vision tower (`model.visual.*`) is not part of the
-text model, so it is dropped on the way in (the CLI says so) and left out of the comparison.
+Round trips must be bit-identical and give back every tensor of the source: the transforms of
+conversion/names.py are exact inverses (transposes, reshapes, splits, stacks), nothing is cast
+when the dtype is kept, and what the text model does not use (the multimodal Qwen3.5's vision
+tower, `model.visual.*`) is carried verbatim in `params.extra`.
 """
 
 from __future__ import annotations
@@ -56,13 +56,14 @@ def hf_tensors(d: Path) -> dict[str, np.ndarray]:
 
 
 def assert_bit_identical(src: Path, dst: Path) -> int:
+    """Every tensor of src is in dst with the same dtype, shape and bytes, and nothing else;
+    returns the number of vision-tower tensors."""
     a, b = hf_tensors(src), hf_tensors(dst)
-    text = {k: v for k, v in a.items() if not k.startswith(VISION)}
-    assert sorted(b) == sorted(text)
-    for k, x in text.items():
+    assert sorted(b) == sorted(a)
+    for k, x in a.items():
         assert b[k].dtype == x.dtype and b[k].shape == x.shape, k
         assert b[k].tobytes() == x.tobytes(), k
-    return len(a) - len(text)
+    return sum(k.startswith(VISION) for k in a)
 
 
 def leaves_equal(a, b):
@@ -94,9 +95,8 @@ def converted(hf_dirs, tmp_path_factory) -> dict[str, Path]:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_round_trip_is_bit_identical(arch, hf_dirs, converted, tmp_path):
     back = export(converted[arch], tmp_path / "hf")
-    dropped = assert_bit_identical(hf_dirs[arch], back)
-    # Only the multimodal checkpoint has a vision tower, and it is dropped on purpose.
-    assert (dropped > 0) == (arch == "qwen3_5_multimodal")
+    vision = assert_bit_identical(hf_dirs[arch], back)
+    assert (vision > 0) == (arch == "qwen3_5_multimodal")  # ... and it came back
     assert json.loads((back / "config.json").read_text()) == json.loads((hf_dirs[arch] / "config.json").read_text())
     assert (back / "generation_config.json").is_file() and not (back / "hybridjax.json").exists()
 
@@ -139,6 +139,33 @@ def test_mtp_tensors_and_tokenizer_files_survive_the_round_trip(hf_dirs, tmp_pat
     assert_bit_identical(src, back)
     for d in (ckpt, back):
         assert {n: (d / n).read_text() for n in side if (d / n).exists()} == {n: t for n, t in side.items() if n != "notes.txt"}
+
+
+def test_multimodal_with_mtp_head_round_trips_every_tensor(hf_dirs, tmp_path):
+    """A Qwen3.5 multimodal checkpoint with both an MTP head and a vision tower: HF -> checkpoint
+    -> HF gives back the same tensor set, bit for bit; the checkpoint holds the vision tower in
+    params.extra (verbatim, also when it is stored in bfloat16) and the MTP head in params.mtp."""
+    src = tmp_path / "mm"
+    shutil.copytree(hf_dirs["qwen3_5_multimodal"], src)
+    hf_models.add_mtp_head(src, hf_models.load_torch(src))
+    t = load_file(src / "model.safetensors")
+    vis = sorted(k for k in t if k.startswith(VISION))
+    t[vis[0]] = t[vis[0]].astype(ml_dtypes.bfloat16)  # an odd dtype out must survive as it is
+    save_file(t, src / "model.safetensors", metadata={"format": "pt"})
+    ckpt = convert(src, tmp_path / "ckpt")
+    _, params = conversion.load(ckpt)
+    assert params.mtp is not None and sorted(params.extra) == vis
+    assert params.extra[vis[0]].dtype == ml_dtypes.bfloat16
+    back = export(ckpt, tmp_path / "hf", "--max-shard-size", "40KB")
+    assert assert_bit_identical(src, back) == len(vis) > 0 and any(k.startswith("mtp.") for k in hf_tensors(back))
+    _, again = conversion.load(back)  # and the HF output loads the same params
+    leaves_equal(again, params)
+
+
+def test_tied_checkpoint_keeps_its_spare_lm_head_copy(hf_dirs, tmp_path):
+    src = _corrupt(hf_dirs, tmp_path, lambda t: t.__setitem__("lm_head.weight", t["model.embed_tokens.weight"].copy()))
+    back = export(convert(src, tmp_path / "ckpt"), tmp_path / "hf")
+    assert_bit_identical(src, back)
 
 
 def test_dtype_conversion_casts_weights_but_not_gates(hf_dirs, loaded, tmp_path):
@@ -207,11 +234,11 @@ def test_load_either_kind_keeps_or_casts_dtype(hf_dirs, converted, tmp_path):
 # --- the CLI ----------------------------------------------------------------------------
 
 
-def test_cli_reports_progress_dropped_vision_and_verify(hf_dirs, tmp_path, capsys):
+def test_cli_reports_progress_kept_vision_and_verify(hf_dirs, tmp_path, capsys):
     assert main(["--hf-dir", str(hf_dirs["qwen3_5_multimodal"]), "--out", str(tmp_path / "c")]) == 0
     out, err = capsys.readouterr()
-    assert "dropped 21 vision-tower tensors (model.visual.*): not part of the text model" in out
-    assert "100%" in err and "56/56 arrays" in err  # the tqdm bar, on stderr
+    assert "kept 21 vision-tower tensors (model.visual.*) verbatim in params.extra" in out
+    assert "100%" in err and "77/77 arrays" in err  # the tqdm bar, on stderr (56 text + 21 vision)
     assert main(["--to-hf", "--checkpoint", str(tmp_path / "c"), "--out", str(tmp_path / "h"), "--quiet", "--verify"]) == 0
     out, err = capsys.readouterr()
     lines = [ln for ln in out.splitlines() if ln.startswith("verify:")]

@@ -83,6 +83,8 @@ def compare_grads(model, grads, cfg, head=None) -> dict[str, float]:
     names = set(named)
     rules = rules_for(cfg, text_root(names), has_fused_experts(names), mtp=head is not None)
     ours = flat_leaves(grads)
+    for path in [p for p in ours if p.startswith("extra.")]:  # the kept vision tower: unused by the text model
+        assert not np.any(np.asarray(ours.pop(path))), path
     ratios, seen = {}, set()
     for rule in rules:
         theirs = rule.to_params(*(named[n].grad.numpy() for n in rule.hf))

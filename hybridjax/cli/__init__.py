@@ -201,6 +201,14 @@ def cmd_generate(args) -> int:
                          repetition_penalty=args.repetition_penalty)
     stops = tuple(tok.eos_token_ids) if tok is not None else cfg.eos_token_id
     max_len = len(prompt) + args.max_new_tokens
+    spec = {}
+    if args.speculative_tokens:
+        if args.stream:
+            raise CLIError("--speculative-tokens runs the whole-call generate: drop --stream")
+        from hybridjax.speculative import check_speculative
+
+        check_speculative(params, args.speculative_tokens)
+        spec = dict(speculative_tokens=args.speculative_tokens)
     if args.stream:
         decoder = StreamDecoder(tok) if tok is not None else None
         out = []
@@ -212,11 +220,14 @@ def cmd_generate(args) -> int:
         if not args.json:
             print(decoder.flush() if decoder else "", flush=True)
     else:
-        out = generate(params, cfg, [prompt], max_new_tokens=args.max_new_tokens, stop_ids=stops, seeds=[args.seed],
-                       sampling=sp, max_len=max_len).token_lists()[0]
+        g = generate(params, cfg, [prompt], max_new_tokens=args.max_new_tokens, stop_ids=stops, seeds=[args.seed],
+                     sampling=sp, max_len=max_len, **spec)
+        out = g.token_lists()[0]
+        if spec:
+            spec = {"speculative": {"drafted": int(g.drafted[0]), "accepted": int(g.accepted[0])}}
     text = tok.decode(out, skip_special_tokens=True) if tok is not None else None
     if args.json:
-        print(json.dumps({"prompt_token_ids": prompt, "token_ids": out, "text": text}))
+        print(json.dumps({"prompt_token_ids": prompt, "token_ids": out, "text": text, **spec}))
     elif not args.stream:
         print(text if text is not None else " ".join(map(str, out)))
     return 0
@@ -238,7 +249,11 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help=DTYPE_HELP)
     p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
-    p.add_argument("--json", action="store_true", help='print {"prompt_token_ids", "token_ids", "text"}')
+    p.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                   help="draft K (1-4) tokens per step with the model's MTP head and verify them in one forward "
+                        "(same greedy output, same sampling distribution; default 0: off)")
+    p.add_argument("--json", action="store_true",
+                   help='print {"prompt_token_ids", "token_ids", "text"} (+ "speculative": drafted / accepted counts)')
     _add_mesh_args(p)
     _add_compile_cache(p)
     p.set_defaults(func=cmd_generate)

@@ -75,9 +75,12 @@ class TrainConfig:
 
 
 def _decay_mask(tree):
-    """Weight decay on matrices (ndim >= 2) only, never on the gate parameters."""
+    """Weight decay on matrices (ndim >= 2) only, never on the gate parameters nor on the tensors
+    kept verbatim in `extra` (a vision tower: zero gradients, so with no decay it stays as loaded)."""
 
     def decays(path, x):
+        if getattr(path[0], "name", None) == "extra":
+            return False
         return x.ndim >= 2 and getattr(path[-1], "name", None) not in FLOAT32_LEAVES
 
     return jax.tree_util.tree_map_with_path(decays, tree)
