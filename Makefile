@@ -32,12 +32,8 @@ install-test: $(TESTENV)
 run: $(RUNTIME)
 	$(BIN)/hybridjax serve $(if $(MODEL),--model $(MODEL))
 
-# The server tests run in a process of their own: after ~300 other tests in one process, an
-# XLA compile on a server's engine thread segfaulted (3 full runs of 3; never with the server
-# tests alone or with the kernel-compile tests before them).
 test: $(TESTENV)
-	$(BIN)/python -m pytest -q tests --ignore-glob='*/test_server*.py'
-	$(BIN)/python -m pytest -q tests/test_server*.py
+	$(BIN)/python -m pytest -q tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -7,6 +7,7 @@ JAX compile time dominates on 2 cores, so every compiled function is shared: one
 from __future__ import annotations
 
 import functools
+import gc
 import sys
 from pathlib import Path
 
@@ -18,6 +19,18 @@ sys.path.insert(0, str(Path(__file__).parent))
 import hf_models  # noqa: E402
 
 import hybridjax  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop every compiled program after each test module. XLA:CPU maps each compiled kernel's
+    code and data into memory separately (about 200 mappings per model forward); one process
+    running the whole suite reached the kernel's limit of 65,530 mappings (vm.max_map_count), and
+    the next compile crashed (segfault or abort, seen in CI). Clearing frees the mappings; later
+    modules recompile what they use."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(autouse=True)
