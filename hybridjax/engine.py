@@ -366,8 +366,8 @@ class Engine:
     def warmup(self, progress: bool = False) -> float:
         """Compile every shape the loop can run (on padding rows: nothing changes), so that no
         request waits for XLA. Call before `start`. Returns the seconds it took. One engine of a
-        process warms up at a time: engines of one model share the programs, and two threads
-        writing the same entry of JAX's persistent compilation cache at once crashed (JAX 0.10.2)."""
+        process warms up at a time: engines of one model share the programs, so the second finds
+        them compiled instead of compiling them again beside the first."""
         with _WARMUP_LOCK:
             return self._warmup(progress)
 
