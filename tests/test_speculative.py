@@ -185,7 +185,7 @@ def test_rejection_sampling_keeps_the_distribution():
     sp = sampling_params(N_ROWS, temperature=[1.0] * half + [0.8] * half, top_k=[0] * half + [6] * half,
                          repetition_penalty=[1.0] * half + [1.6] * half, presence_penalty=[0.0] * half + [0.5] * half)
     g = generate(params, cfg, [PROMPT] * N_ROWS, max_new_tokens=NEW, seeds=range(N_ROWS), sampling=sp,
-                 speculative_tokens=2, adaptive=False, max_len=16)
+                 speculative_tokens=2, adaptive=False, max_len=16, stop_ids=())
     out = np.asarray(g.tokens)[:, :NEW]
     assert np.all(np.asarray(g.n_generated) == NEW)
     rate = np.asarray(g.accepted).sum() / np.asarray(g.drafted).sum()
@@ -205,7 +205,7 @@ def test_cli_speculative_tokens(hf_dirs, tmp_path, capsys):
     d = tmp_path / "m"
     shutil.copytree(hf_dirs["qwen3_5_dense"], d)
     hf_models.add_mtp_head(d, hf_models.load_torch(d))
-    base = ["generate", "--model", str(d), "--token-ids", "5,9,31,2", "--max-new-tokens", "6", "--json"]
+    base = ["generate", "--no-compile-cache", "--model", str(d), "--token-ids", "5,9,31,2", "--max-new-tokens", "6", "--json"]
     assert main(base) == 0
     plain = json.loads(capsys.readouterr().out)
     assert main([*base, "--speculative-tokens", "2"]) == 0
@@ -215,5 +215,5 @@ def test_cli_speculative_tokens(hf_dirs, tmp_path, capsys):
                            (["--speculative-tokens", "2", "--stream"], "drop --stream")]:
         assert main([*base, *extra]) == 1
         assert message in capsys.readouterr().err
-    assert main(["generate", "--model", str(hf_dirs["qwen3_5_dense"]), "--token-ids", "5,9", "--speculative-tokens", "1"]) == 1
+    assert main(["generate", "--no-compile-cache", "--model", str(hf_dirs["qwen3_5_dense"]), "--token-ids", "5,9", "--speculative-tokens", "1"]) == 1
     assert "needs an MTP head" in capsys.readouterr().err
