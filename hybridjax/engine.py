@@ -14,9 +14,9 @@ slot's recurrent state, sampler and logits, and the KV page pool) and the host b
      of the prompt) where the row's snapshot is taken: full pages shared, the partial page
      copied; a prompt's last chunk draws its first token, which is sent at once;
   3. dispatches one decode step for the rows that are decoding (a batch bucket of them: idle
-     slots cost nothing), then, while it runs, delivers the previous step's tokens: text,
-     stop strings, finishes. A finished row leaves its response snapshot (its pages, by id)
-     and frees its slot.
+     slots cost nothing; a row whose last token by max_tokens is being drawn sits out), then,
+     while it runs, delivers the previous step's tokens: text, stop strings, finishes. A
+     finished row leaves its response snapshot (its pages, by id) and frees its slot.
 So a running stream waits at most one prefill chunk for a long prompt, and the host's work
 overlaps the device's. Every shape the loop runs is compiled by `warmup` before serving.
 Requests are independent rows: greedy output does not depend on the batch or on cache hits.
@@ -673,8 +673,12 @@ class Engine:
 
     # --- decode ---------------------------------------------------------------------------
     def _dispatch(self) -> _Step | None:
-        """Dispatch one decode step for the decoding rows (asynchronous: returns at once)."""
-        rows = [r for r, slot in enumerate(self._rows) if slot is not None and not slot.prefilling]
+        """Dispatch one decode step for the decoding rows (asynchronous: returns at once). A row
+        whose last token (by max_tokens) the step in flight draws sits this step out: feeding that
+        token would only add it to the response snapshot, and a request arriving next would wait
+        for the step on the device."""
+        rows = [r for r, slot in enumerate(self._rows)
+                if slot is not None and not slot.prefilling and not self._drawing_last(slot)]
         if not rows:
             return None
         index = next(self._steps)
@@ -687,6 +691,10 @@ class Engine:
                 s.last_step = index
         self.counters["steps"] += 1
         return _Step(index, slots, outputs)
+
+    def _drawing_last(self, slot: _Slot) -> bool:
+        in_flight = self._inflight is not None and slot.last_step == self._inflight.index
+        return len(slot.handle.token_ids) + in_flight >= slot.handle.request.max_tokens
 
     def _process(self, step: _Step) -> None:
         """Deliver a finished step's tokens (the next step may already be running)."""

@@ -16,7 +16,8 @@ chunk that completes a prompt draws the first token at once (it is sent before a
 step runs); a decode step feeds every active row's pending token and draws the next. A row
 stops drawing by itself (`done`) when it draws one of its stop ids or exhausts its budget; the
 next step feeds that last token and the row goes `idle`, its cache covering every token it
-drew (what its response snapshot needs). So a step dispatched before the host has seen the
+drew (what its response snapshot needs; the engine spares that step when the budget ended the
+row: the host knew it was coming, and a request arriving next would wait for the step). So a step dispatched before the host has seen the
 previous one never moves a finished row past its end: the host reads step N's tokens while
 step N+1 runs.
 """

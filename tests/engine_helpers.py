@@ -64,3 +64,10 @@ def run(eng: Engine, prompt, max_tokens: int, **kw):
 
 def prefilled(eng: Engine) -> int:
     return eng.store.counters["tokens_prefilled"]
+
+
+def covered(handle) -> int:
+    """How many of a finished response's tokens its snapshot covers: all when a stop token ended
+    it (a dispatched step feeds that token), all but the last when max_tokens did (no step is
+    spent feeding a token nobody needs yet: the next request would wait for it)."""
+    return len(handle.token_ids) - (handle.finish_reason == "length")

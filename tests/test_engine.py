@@ -12,7 +12,7 @@ import time
 
 import jax
 import pytest
-from engine_helpers import ENGINE_KW, SLOTS, TIMEOUT, cold, collect, enc, ids, prefilled, run
+from engine_helpers import ENGINE_KW, SLOTS, TIMEOUT, cold, collect, covered, enc, ids, prefilled, run
 
 import hybridjax.engine_steps as engine_steps
 from hybridjax.default_model import tiny_test_model
@@ -74,13 +74,13 @@ def test_later_turns_resume_after_the_previous_response(engine):
     p2 = p1 + r1.token_ids + enc("ok?")
     before = prefilled(engine)
     r2 = run(engine, p2, 4)
-    assert r2.cached_tokens == len(p1) + len(r1.token_ids)
-    assert prefilled(engine) - before == 3  # only the new text
+    assert r1.finish_reason == "length" and r2.cached_tokens == len(p1) + covered(r1) == len(p2) - 4
+    assert prefilled(engine) - before == 4  # the new text and the response's last token
     assert r2.token_ids == cold(p2, 4)
 
     p3 = p2 + r2.token_ids + enc("bye")
     r3 = run(engine, p3, 4)
-    assert r3.cached_tokens == len(p2) + len(r2.token_ids)
+    assert r3.cached_tokens == len(p2) + covered(r2)
     assert r3.token_ids == cold(p3, 4)
 
 
@@ -94,11 +94,20 @@ def test_an_exact_repeat_costs_no_prefill(engine):
     assert engine.store.counters["exact_hits"] == exact + 1
     assert again.token_ids == first.token_ids == cold(p, 8)
 
-    # re-sending prompt + response exactly resumes from the response snapshot, no prefill either
+    # re-sending prompt + response resumes from the response snapshot: only the token that
+    # ended it by length is prefilled
     cont = p + first.token_ids
     more = run(engine, cont, 4)
-    assert more.cached_tokens == len(cont) and prefilled(engine) == before
+    assert more.cached_tokens == len(p) + covered(first) == len(cont) - 1 and prefilled(engine) == before + 1
     assert more.token_ids == cold(cont, 4)
+
+
+def test_a_response_ended_by_max_tokens_spends_no_step_after_its_last_token(engine):
+    """The prefill draws the first token and each decode step one more; no step is spent feeding
+    the last one (the next request, an exact repeat say, would wait for it on the device)."""
+    steps = engine.counters["steps"]
+    r = run(engine, ids("No step after the last token"), 5)
+    assert r.finish_reason == "length" and engine.counters["steps"] - steps == 4
 
 
 def test_a_prompt_diverging_in_the_middle_resumes_from_the_last_checkpoint(engine_ckpt):

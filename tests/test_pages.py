@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from engine_helpers import ENGINE_KW, TIMEOUT, cold, collect, enc, ids, run
+from engine_helpers import ENGINE_KW, TIMEOUT, cold, collect, covered, enc, ids, run
 
 from hybridjax import ops
 from hybridjax.default_model import tiny_test_model
@@ -137,7 +137,7 @@ def test_snapshots_of_one_conversation_share_their_pages(model):
         r1 = run(eng, p1, 9)
         p2 = p1 + r1.token_ids + enc("and the second turn")
         r2 = run(eng, p2, 7)
-        assert r2.cached_tokens == len(p1) + 9 and r2.token_ids == cold_long(p2, 7)
+        assert r2.cached_tokens == len(p1) + covered(r1) and r2.token_ids == cold_long(p2, 7)
         _idle(eng)
         snaps = sorted(eng.store.snapshots(), key=lambda s: len(s.tokens))
         assert len(snaps) >= 4  # checkpoints at 16, 32, ..., prompts, responses
@@ -205,7 +205,7 @@ def test_paged_snapshots_persist(model, tmp_path):
         again = run(b, p, 6)
         assert again.cached_tokens == len(p) and again.token_ids == first.token_ids == cold(p, 6)
         more = run(b, p + first.token_ids, 3)
-        assert more.cached_tokens == len(p) + 6 and more.token_ids == cold(p, 9)[6:]  # greedy goes on
+        assert more.cached_tokens == len(p) + covered(first) and more.token_ids == cold(p, 9)[6:]  # greedy goes on
     finally:
         b.stop()
 
