@@ -32,10 +32,10 @@ __version__ = "0.1.0"
 
 
 def load_hf(model_dir, dtype="float32", mesh=None):
-    """(Config, Params) from a Hugging Face model directory; see `conversion.hf.load_hf`.
+    """(Config, Params) from a Hugging Face model directory; see `hybridjax.conversion.hf.load_hf`.
     `mesh` (from `make_mesh`): each device receives its shard as the tensors are read."""
     # The facade reaches down into conversion lazily; nothing below it imports conversion.
-    from conversion.hf import load_hf as _load_hf
+    from hybridjax.conversion.hf import load_hf as _load_hf
 
     return _load_hf(model_dir, dtype=dtype, mesh=mesh)
 
@@ -43,15 +43,15 @@ def load_hf(model_dir, dtype="float32", mesh=None):
 def load(path, dtype=None, mesh=None):
     """(Config, Params) from an HF model directory or a converted hybridjax checkpoint, placed on
     `mesh` shard by shard when given."""
-    from conversion import load as _load
+    from hybridjax.conversion import load as _load
 
     return _load(path, dtype=dtype, mesh=mesh)
 
 
 def save_hf(params, cfg, out_dir, **kw):
     """Write params as an HF safetensors model directory (config.json, shards and index) that
-    `load_hf` and transformers read; see `conversion.to_hf.write_hf` for the options."""
-    from conversion import write_hf
+    `load_hf` and transformers read; see `hybridjax.conversion.to_hf.write_hf` for the options."""
+    from hybridjax.conversion import write_hf
 
     return write_hf(params, cfg, out_dir, **kw)
 

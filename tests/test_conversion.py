@@ -1,7 +1,7 @@
 """`hybridjax convert`: HF -> checkpoint -> HF round trips, loading both kinds, every error.
 
 Round trips must be bit-identical and give back every tensor of the source: the transforms of
-conversion/names.py are exact inverses (transposes, reshapes, splits, stacks), nothing is cast
+hybridjax/conversion/names.py are exact inverses (transposes, reshapes, splits, stacks), nothing is cast
 when the dtype is kept, and what the text model does not use (the multimodal Qwen3.5's vision
 tower, `model.visual.*`) is carried verbatim in `params.extra`.
 """
@@ -21,12 +21,12 @@ import torch
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-import conversion
+from hybridjax import conversion
 import hf_models
 import hybridjax
-from conversion import checkpoint as ckpt_mod
-from conversion import to_hf as to_hf_mod
-from conversion import cli as convert_cli
+from hybridjax.conversion import checkpoint as ckpt_mod
+from hybridjax.conversion import to_hf as to_hf_mod
+from hybridjax.conversion import cli as convert_cli
 from hybridjax.cli import model_logits
 
 

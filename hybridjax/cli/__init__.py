@@ -351,7 +351,7 @@ def model_logits(cfg, params, tokens):
 
 
 def _add_convert(sub) -> None:
-    from conversion import cli as convert_cli
+    from hybridjax.conversion import cli as convert_cli
 
     p = sub.add_parser("convert", help="convert HF safetensors <-> hybridjax checkpoints")
     convert_cli.add_arguments(p)

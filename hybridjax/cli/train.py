@@ -12,7 +12,7 @@ the assistant turns). The run directory `--out` holds:
     model/          the trained model as a converted checkpoint (LoRA merged), which
                     `hybridjax.load`, `generate --model`, `serve --model` and `convert --to-hf` read
 
-Part of the CLI layer (it writes checkpoints through `conversion`).
+Part of the CLI layer (it writes checkpoints through `hybridjax.conversion`).
 """
 
 from __future__ import annotations
@@ -167,6 +167,6 @@ def _model(args, error):
 
 
 def _save_model(params, out: Path, config_dir: Path) -> None:
-    from conversion import save_checkpoint
+    from hybridjax.conversion import save_checkpoint
 
     save_checkpoint(params, out, config_dir=config_dir, force=True, source={"trained_by": "hybridjax train"})

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from conversion.hf import (CheckpointError, assemble, flat_leaves, has_mtp, leaf_shapes, load_hf, open_hf, path_str,
+from hybridjax.conversion.hf import (CheckpointError, assemble, flat_leaves, has_mtp, leaf_shapes, load_hf, open_hf, path_str,
                            read_params)
 from hybridjax.config import Config, load_config, read_json
 from hybridjax.params import FLOAT32_LEAVES, Params, is_shape, param_shapes

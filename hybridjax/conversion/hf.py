@@ -1,7 +1,7 @@
 """Load a Hugging Face model directory (config.json + safetensors) into hybridjax Params.
 
 Tensors are read lazily, one at a time, through memory-mapped safetensors files, transformed
-by the rules of `conversion.names`, shape-checked, cast and placed on device, so peak host
+by the rules of `hybridjax.conversion.names`, shape-checked, cast and placed on device, so peak host
 memory stays near one tensor beyond the loaded model. Every problem with the checkpoint
 (missing shard, missing / unexpected / mis-shaped tensors) is reported in one message.
 """
@@ -20,7 +20,7 @@ import ml_dtypes  # noqa: F401  registers bfloat16 / float8 with numpy
 import numpy as np
 from safetensors import safe_open
 
-from conversion.names import KEPT_PREFIXES, MTP_PREFIX, Rule, rules_for
+from hybridjax.conversion.names import KEPT_PREFIXES, MTP_PREFIX, Rule, rules_for
 from hybridjax.config import Config, load_config, read_json
 from hybridjax.params import FLOAT32_LEAVES, Params, is_shape, param_shapes
 

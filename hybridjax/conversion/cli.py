@@ -15,9 +15,9 @@ import functools
 import sys
 from pathlib import Path
 
-from conversion.checkpoint import Report, convert_hf
-from conversion.hf import CheckpointError
-from conversion.to_hf import export_hf
+from hybridjax.conversion.checkpoint import Report, convert_hf
+from hybridjax.conversion.hf import CheckpointError
+from hybridjax.conversion.to_hf import export_hf
 from hybridjax.config import ConfigError
 
 DTYPES = ("bfloat16", "float32", "float16")
@@ -160,7 +160,7 @@ def verify(source: Path, result: Path, to_hf: bool, logits_fn) -> int:
         raise CheckpointError("--verify needs the model: run it as `hybridjax convert ... --verify`")
     import numpy as np
 
-    from conversion.checkpoint import load
+    from hybridjax.conversion.checkpoint import load
 
     cfg, ref_params = load(source, dtype="float32")
     tokens = ((np.arange(VERIFY_TOKENS) * 7919 + 11) % cfg.vocab_size).astype(np.int32)[None]
