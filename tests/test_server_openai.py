@@ -164,8 +164,9 @@ def test_models_response_format_and_unsupported_fields(server):
         assert e.value.body["param"] == next(iter(extra))
     with pytest.raises(openai.BadRequestError, match="unsupported parameter 'best_of'"):
         c.completions.create(model=MODEL, prompt="x", max_tokens=1, best_of=2)
-    with pytest.raises(openai.BadRequestError, match="tool_choice"):
-        chat(server, msgs, tools=TOOLS, tool_choice="required")
+    with pytest.raises(openai.BadRequestError, match="needs tools") as e:
+        chat(server, msgs, tool_choice="required")
+    assert e.value.body["param"] == "tool_choice"
     assert chat(server, msgs, max_tokens=1, user="someone", extra_body={"metadata": {"a": "b"}}).choices  # no effect
 
 
@@ -207,12 +208,14 @@ def test_tools_are_rendered_by_the_template_and_tool_messages_accepted(server):
     assert r.usage.prompt_tokens == len(tok.encode(rendered))
 
 
-def scripted(server, monkeypatch, text: str):
+def scripted(server, monkeypatch, text: str) -> list:
     """Make the engine 'generate' `text` (one event per character): the tiny model is random, and
-    these tests are about how the server reads tool calls out of what a model writes."""
-    tok = server.engine.tokenizer
+    these tests are about how the server reads tool calls out of what a model writes. Returns the
+    list the requests it receives go to."""
+    tok, received = server.engine.tokenizer, []
 
     def submit(greq, loop=None):
+        received.append(greq)
         h = RequestHandle(greq, loop)
 
         def run():
@@ -228,6 +231,7 @@ def scripted(server, monkeypatch, text: str):
         return h
 
     monkeypatch.setattr(server.engine, "submit", submit)
+    return received
 
 
 HERMES = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
@@ -259,6 +263,63 @@ def test_tool_calls_are_parsed_streaming_or_not(server, monkeypatch, text, conte
     assert finish == "tool_calls"
     plain = chat(server, msgs)  # without tools the text is the text
     assert plain.choices[0].message.content == text and plain.choices[0].message.tool_calls is None
+
+
+GET_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+JSON_OPENING = '<tool_call>\n{"name": "get_weather", "arguments": '
+
+
+@pytest.mark.parametrize("choice,opening,generated,args", [
+    (GET_WEATHER, JSON_OPENING, '{"city": "Paris", "days": 2}}\n</tool_call>', {"city": "Paris", "days": 2}),
+    ("required", "<tool_call>\n", '{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+     {"city": "Oslo"}),
+])
+def test_tool_choice_forces_the_calls_opening(server, monkeypatch, choice, opening, generated, args):
+    """The prompt ends with the call's opening (after closing the thinking block the generation
+    prompt opened), and what the model writes next is read as if it had written the opening."""
+    received = scripted(server, monkeypatch, generated)
+    tok, msgs = server.engine.tokenizer, [{"role": "user", "content": "Weather?"}]
+    r = chat(server, msgs, tools=TOOLS, tool_choice=choice)
+    assert received[0].prompt_ids == tok.encode(tok.render_chat(msgs, tools=TOOLS) + "\n</think>\n\n" + opening)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == args
+    assert r.choices[0].message.content is None and r.choices[0].finish_reason == "tool_calls"
+    parts, calls = [], []
+    for ch in chat(server, msgs, tools=TOOLS, tool_choice=choice, stream=True):
+        parts.append(ch.choices[0].delta.content or "")
+        calls += ch.choices[0].delta.tool_calls or []
+    assert "".join(parts) == "" and [c.function.name for c in calls] == ["get_weather"]
+    assert json.loads(calls[0].function.arguments) == args
+
+
+def test_tool_choice_names_a_function_among_the_tools(server):
+    msgs = [{"role": "user", "content": "Weather?"}]
+    for choice, message in (({"type": "function", "function": {"name": "get_time"}}, "'get_time' is not among"),
+                            ({"type": "function"}, "a named tool_choice is")):
+        with pytest.raises(openai.BadRequestError, match=message) as e:
+            chat(server, msgs, tools=TOOLS, tool_choice=choice)
+        assert e.value.body["param"] == "tool_choice"
+
+
+def test_a_forced_call_is_the_responses_start_for_the_next_turn(server):
+    """With the real (random) model: the forced opening is in the prompt, the answer is read from
+    it on, and the next turn, with that answer in its history, prefills only its new message."""
+    tok, eng = server.engine.tokenizer, server.engine
+    msgs = [{"role": "user", "content": "Forced call, first turn."}]
+    wait_idle(eng)
+    r = chat(server, msgs, tools=TOOLS, tool_choice=GET_WEATHER)
+    assert r.usage.prompt_tokens == len(tok.encode(tok.render_chat(msgs, tools=TOOLS) + "\n</think>\n\n"
+                                                   + JSON_OPENING))
+    m = r.choices[0].message
+    if m.tool_calls:  # the random model happened to close valid JSON
+        assert m.tool_calls[0].function.name == "get_weather"
+    else:  # the block did not parse: it stays text, from the forced opening on
+        assert m.content.startswith(JSON_OPENING)
+    history = msgs + [m.model_dump(exclude_none=True), {"role": "user", "content": "And the second turn?"}]
+    wait_idle(eng)
+    usage = chat(server, history, tools=TOOLS).usage
+    new = tok.encode("And the second turn?<|im_end|>\n<|im_start|>assistant\n<think>\n")
+    assert usage.prompt_tokens - usage.prompt_tokens_details.cached_tokens == len(new)
 
 
 # --- multi-turn reuse through the template -------------------------------------------------------

@@ -356,12 +356,17 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
         tools = req.tools if req.tools and req.tool_choice != "none" else None
         if tools:
             kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
+        # tool_choice "required" / a named function: the prompt ends with the call's opening, which
+        # then counts as the response's start (parsed with it; the cache holds it as prompt tokens).
+        opening = fmt.forced_tool_opening(tok.chat_template, req.tool_choice) if tools else ""
 
         def encode():
             try:
                 text = tok.render_chat(messages, add_generation_prompt=True, **kwargs)
             except (ValueError, TypeError) as e:
                 raise APIError(400, str(e), param="messages") from None
+            if opening:
+                text += fmt.close_thinking(text) + opening
             check_length(len(text), "messages")
             ids = tok.encode(text)
             return ids, history_boundary(tok, messages, ids, **kwargs)
@@ -387,7 +392,7 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
             first = await drain(request, handles)
             choices = []
             for i, h in enumerate(handles):
-                content, calls = fmt.split_tool_calls(h.text, tools) if tools else (h.text, [])
+                content, calls = fmt.split_tool_calls(h.text, tools, opening) if tools else (h.text, [])
                 choices.append({"index": i, "message": answer_of(content, calls), "finish_reason": finish(h, calls),
                                 "logprobs": fmt.chat_logprobs(tok, scored(h)) if req.logprobs else None})
             log_request("chat", handles, t0, first)
@@ -399,7 +404,7 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
         include = bool(req.stream_options and req.stream_options.include_usage)
 
         async def sse():
-            streams = [fmt.ToolCallStream(tools) if tools else None for _ in handles]
+            streams = [fmt.ToolCallStream(tools, opening) if tools else None for _ in handles]
             texts, first = [""] * len(handles), None
             try:
                 for i in range(len(handles)):  # chat streams open with the role
