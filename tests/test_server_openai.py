@@ -1,5 +1,5 @@
 """The rest of the OpenAI API (issue 14, parts 2 and 3) over real HTTP with the openai client:
-log-probabilities, n > 1, echo, response_format, GET /v1/models/{id}, unsupported fields, several
+log-probabilities, n > 1, echo (with the prompt's log-probabilities), tool_choice, response_format, GET /v1/models/{id}, unsupported fields, several
 API keys, tool calling through a chat template that has tools, and multi-turn reuse through a
 template that does not render the history as prompt + response (it drops the `<think>` the
 generation prompt opened, as Qwen3.5's does).
@@ -13,12 +13,18 @@ import json
 import threading
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import openai
 import pytest
 from test_server import MODEL, RunningServer
 
+from hybridjax.cache import init_cache
 from hybridjax.default_model import tiny_test_model
 from hybridjax.engine import Event, RequestHandle
+from hybridjax.generate import prompt_logprobs, sampling_params
+from hybridjax.model import forward
 from hybridjax.tokenizer import Tokenizer
 
 # ChatML with tools (Qwen3's hermes layout) and thinking: the generation prompt opens <think>,
@@ -122,8 +128,50 @@ def test_completion_logprobs_and_echo(server):
     parts = [ch.choices[0].text for ch in c.create(model=MODEL, prompt="Echo this", max_tokens=4, temperature=0,
                                                    echo=True, stream=True) if ch.choices]
     assert parts[0] == "Echo this" and "".join(parts) == echoed.choices[0].text
-    with pytest.raises(openai.BadRequestError, match="echo"):
-        c.create(model=MODEL, prompt="x", max_tokens=1, echo=True, logprobs=1)
+
+
+def reference_prompt_logprobs(logits, ids, temperature=0.0, repetition_penalty=1.0) -> np.ndarray:
+    """Independent of the server's path: log_softmax of `forward`'s logits [T, vocab] over the
+    unpadded prompt (float64 in numpy), processed by hand as the sampler does: the repetition
+    penalty on the tokens so far, then the temperature (1 when greedy)."""
+    logits, out = np.asarray(logits, np.float64), []
+    for i in range(len(ids) - 1):
+        seen = np.isin(np.arange(logits.shape[1]), ids[: i + 1])
+        x = logits[i]
+        x = np.where(seen, np.where(x > 0, x / repetition_penalty, x * repetition_penalty), x) / (temperature or 1.0)
+        out.append(x[ids[i + 1]] - x.max() - np.log(np.exp(x - x.max()).sum()))
+    return np.array(out)
+
+
+def test_echo_logprobs_score_the_prompt(server):
+    """echo + logprobs: the prompt's tokens get log-probabilities (the first none, as OpenAI's),
+    against `reference_prompt_logprobs` within 1e-4 (two float32 forwards of the tiny model, one
+    padded to a bucket, agree to ~1e-5); the library call in chunks of 8 positions (the penalty's
+    record of seen tokens crosses chunks) gives the same."""
+    c, eng = server.client.completions, server.engine
+    text = "abc def abc def abc def abc d"
+    ids = eng.tokenizer.encode(text)
+    n = len(ids)
+    logits = jax.jit(forward, static_argnames="cfg")(eng.params, jnp.asarray([ids]),
+                                                     init_cache(eng.cfg, 1, n, capacity=n), eng.cfg)[0][0]
+    for temperature, rp in ((0.0, 1.0), (0.7, 1.3)):
+        want = reference_prompt_logprobs(logits, ids, temperature, rp)
+        r = c.create(model=MODEL, prompt=text, max_tokens=2, echo=True, logprobs=3, seed=1, temperature=temperature,
+                     extra_body={"repetition_penalty": rp})
+        lp = r.choices[0].logprobs
+        assert "".join(lp.tokens[:n]) == text and "".join(lp.tokens) == r.choices[0].text
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert np.abs(np.array(lp.token_logprobs[1:n]) - want).max() < 1e-4, (temperature, rp)
+        for v, top in zip(lp.token_logprobs[1:n], lp.top_logprobs[1:n]):
+            assert len(top) == 3 and max(top.values()) >= v - 1e-6
+        assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    chunked = prompt_logprobs(eng.params, ids, eng.cfg, sampling_params(1, temperature=0.7, repetition_penalty=1.3),
+                              chunk=8)
+    assert n > 16 and np.abs(np.array([v for v, _ in chunked]) - want).max() < 1e-4
+    with c.create(model=MODEL, prompt=text, max_tokens=2, echo=True, logprobs=3, seed=1, temperature=0.7,
+                  extra_body={"repetition_penalty": 1.3}, stream=True) as stream:
+        first = next(iter(stream))
+    assert first.choices[0].text == text and first.choices[0].logprobs.token_logprobs == lp.token_logprobs[:n]
 
 
 def test_n_choices_share_the_prompt_prefill(server):

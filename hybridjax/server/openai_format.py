@@ -43,16 +43,22 @@ def chat_logprobs(tokenizer, entries: Sequence[tuple[int, tuple]]) -> dict:
 
 def completion_logprobs(tokenizer, entries: Sequence[tuple[int, tuple]], offset: int = 0) -> dict:
     """OpenAI completions `logprobs`: parallel lists of tokens, their logprobs, the top
-    alternatives ({token: logprob}) and each token's character offset in the text."""
+    alternatives ({token: logprob}) and each token's character offset in the text. An entry
+    (id, (None, None)) has neither (an echoed prompt's first token, which nothing predicts)."""
     tokens, lps, tops, offsets = [], [], [], []
     for tid, (lp, top) in entries:
         t = token_text(tokenizer, tid)
         tokens.append(t)
         lps.append(lp)
-        tops.append({token_text(tokenizer, i): v for i, v in top})
+        tops.append(None if top is None else {token_text(tokenizer, i): v for i, v in top})
         offsets.append(offset)
         offset += len(t)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def joined_logprobs(a: dict, b: dict) -> dict:
+    """Completions `logprobs` of two consecutive pieces of text (an echoed prompt, then the answer)."""
+    return {k: a[k] + b[k] for k in a}
 
 
 # --- tool calls ----------------------------------------------------------------------------
