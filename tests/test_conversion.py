@@ -247,6 +247,33 @@ def test_cli_reports_progress_kept_vision_and_verify(hf_dirs, tmp_path, capsys):
     assert "convert" not in err  # --quiet: no bar
 
 
+def test_loading_reports_progress(hf_dirs, converted, capsys):
+    """Loading, from HF safetensors or an orbax checkpoint, reports each param leaf and its bytes:
+    to a factory, or as a tqdm bar on stderr when asked (by default only when stderr is a
+    terminal, which it is not under pytest)."""
+    for path in (hf_dirs["qwen3_5_dense"], converted["qwen3_5_dense"]):
+        seen = []
+
+        def factory(steps, total_bytes):
+            seen.append([steps, total_bytes, 0, 0])
+
+            def step(nbytes):
+                seen[-1][2] += 1
+                seen[-1][3] += nbytes
+            return step
+
+        _, params = conversion.load(path, progress=factory)
+        leaves = jax.tree_util.tree_leaves(params)
+        ((steps, total, calls, nbytes),) = seen
+        assert calls == steps == len(leaves) and nbytes == total == sum(x.nbytes for x in leaves), path
+        capsys.readouterr()
+        conversion.load(path, progress=True)
+        err = capsys.readouterr().err
+        assert "load: 100%" in err and f"{steps}/{steps} tensors" in err
+        conversion.load(path)
+        assert capsys.readouterr().err == ""
+
+
 def test_force_replaces_existing_output(hf_dirs, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
