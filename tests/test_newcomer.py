@@ -82,7 +82,13 @@ def test_cli_help_shows_defaults_version_and_plain_errors(capsys):
     with pytest.raises(SystemExit):
         cli.main(["serve", "--slots", "many"])
     err = capsys.readouterr().err
-    assert "--slots" in err and "_positive_int" not in err
+    assert "--slots" in err and "expected an integer, got 'many'" in err and "integer value" not in err
+    for argv, message in ((["serve", "--slots", "-1"], "argument --slots: must be >= 0, got -1"),
+                          (["train", "--steps", "0"], "argument --steps: must be >= 1, got 0"),
+                          (["serve", "--page-size", "48"], "argument --page-size: must be a power of two, got 48")):
+        with pytest.raises(SystemExit):
+            cli.main(argv)
+        assert message in capsys.readouterr().err, argv
     from hybridjax.sampling import sampling_params
 
     with pytest.raises(ValueError) as e:
