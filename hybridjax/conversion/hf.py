@@ -21,6 +21,7 @@ import numpy as np
 from safetensors import safe_open
 
 from hybridjax.conversion.names import KEPT_PREFIXES, MTP_PREFIX, Rule, rules_for
+from hybridjax.conversion.progress import Progress
 from hybridjax.config import Config, load_config, read_json
 from hybridjax.params import FLOAT32_LEAVES, Params, is_shape, param_shapes
 
@@ -242,7 +243,7 @@ def open_hf(model_dir: str | Path) -> HFSource:
     return HFSource(cfg, rules, reader, names)
 
 
-def load_hf(model_dir: str | Path, dtype="float32", progress: Callable[[int, int], Callable[[int], None]] | None = None,
+def load_hf(model_dir: str | Path, dtype="float32", progress: Progress | None = None,
             mesh=None) -> tuple[Config, Params]:
     """Read an HF model directory into (Config, Params), casting weights to `dtype`
     (None: the checkpoint's own dtype).
