@@ -101,7 +101,7 @@ def _import_conversion():
     so no row pays an import the others do not."""
     import orbax.checkpoint  # noqa: F401
 
-    import conversion
+    from hybridjax import conversion
 
     return conversion
 

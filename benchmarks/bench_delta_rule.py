@@ -37,7 +37,7 @@ passes) and T = 1 (decode kernel), each Triton kernel is
 compiled offline for every --archs target with that generation's block sizes, and a table gives
 per kernel: wgmma / mma (tensor-core) and scalar FMA instruction counts in the PTX, registers,
 stack bytes, SASS local loads/stores (spills), shared memory against the target's limit
-(pallas_kernels/triton_offline.py). With --fla-src pointing at a checkout of
+(hybridjax/pallas_kernels/triton_offline.py). With --fla-src pointing at a checkout of
 flash-linear-attention, the same table is printed for fla's forward kernels
 (benchmarks/fla_compile.py; fla is read from that directory, never vendored).
 """
@@ -59,12 +59,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # fla_compile
 
-from pallas_kernels.gated_delta_rule import (  # noqa: E402
+from hybridjax.pallas_kernels.gated_delta_rule import (  # noqa: E402
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_xla,
 )
-from pallas_kernels.gated_delta_rule.api import XLA_CHUNK_SIZE  # noqa: E402
-from pallas_kernels.gated_delta_rule.chunk import CHUNK_SIZE as PALLAS_CHUNK_SIZE  # noqa: E402
+from hybridjax.pallas_kernels.gated_delta_rule.api import XLA_CHUNK_SIZE  # noqa: E402
+from hybridjax.pallas_kernels.gated_delta_rule.chunk import CHUNK_SIZE as PALLAS_CHUNK_SIZE  # noqa: E402
 
 LAYER = dict(B=1, Hk=16, Hv=32, K=128, V=128)
 FULL = dict(lengths=(512, 2048, 8192), repeats=3)
@@ -215,8 +215,8 @@ def lower_layer(T, dtype=jnp.bfloat16, precision="fast", grad=False):
 
 def compile_table(archs, prefill_T=8192, fla_src=None):
     """Print (and return) the offline compile table of our kernels, and fla's if fla_src."""
-    from pallas_kernels import triton_offline
-    from pallas_kernels.gated_delta_rule.common import compile_target
+    from hybridjax.pallas_kernels import triton_offline
+    from hybridjax.pallas_kernels.gated_delta_rule.common import compile_target
 
     rows = []
     for arch in archs:

@@ -83,7 +83,7 @@ def build_model_dir(root: Path, layers: int) -> Path:
     """A converted checkpoint of the random model, with a tokenizer that decodes every id."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from conversion.checkpoint import save_checkpoint
+    from hybridjax.conversion.checkpoint import save_checkpoint
     from hybridjax.config import config_from_dict
     from hybridjax.params import init_params
 

@@ -77,7 +77,7 @@ def _source(kernel, args):
 
 def fla_reports(src, arch, *, T, B, Hk, Hv, K, V):
     """KernelReports of fla's four forward kernels at one layer shape, for sm_<arch>."""
-    from pallas_kernels import triton_offline
+    from hybridjax.pallas_kernels import triton_offline
 
     cf, wy, dh, co = _import_fla(src)
     nt = -(-T // BT)

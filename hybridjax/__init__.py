@@ -31,27 +31,30 @@ from hybridjax.text import Model, load_model
 __version__ = "0.1.0"
 
 
-def load_hf(model_dir, dtype="float32", mesh=None):
-    """(Config, Params) from a Hugging Face model directory; see `conversion.hf.load_hf`.
-    `mesh` (from `make_mesh`): each device receives its shard as the tensors are read."""
+def load_hf(model_dir, dtype="float32", mesh=None, progress=None):
+    """(Config, Params) from a Hugging Face model directory; see `hybridjax.conversion.hf.load_hf`.
+    `mesh` (from `make_mesh`): each device receives its shard as the tensors are read.
+    `progress`: as for `load`."""
     # The facade reaches down into conversion lazily; nothing below it imports conversion.
-    from conversion.hf import load_hf as _load_hf
+    from hybridjax.conversion.hf import load_hf as _load_hf
+    from hybridjax.conversion.progress import load_progress
 
-    return _load_hf(model_dir, dtype=dtype, mesh=mesh)
+    return _load_hf(model_dir, dtype=dtype, mesh=mesh, progress=load_progress(progress))
 
 
-def load(path, dtype=None, mesh=None):
+def load(path, dtype=None, mesh=None, progress=None):
     """(Config, Params) from an HF model directory or a converted hybridjax checkpoint, placed on
-    `mesh` shard by shard when given."""
-    from conversion import load as _load
+    `mesh` shard by shard when given. `progress`: a bar on stderr (tensors, bytes) when True, or
+    when None and stderr is a terminal; False: none (see `hybridjax.conversion.load`)."""
+    from hybridjax.conversion import load as _load
 
-    return _load(path, dtype=dtype, mesh=mesh)
+    return _load(path, dtype=dtype, mesh=mesh, progress=progress)
 
 
 def save_hf(params, cfg, out_dir, **kw):
     """Write params as an HF safetensors model directory (config.json, shards and index) that
-    `load_hf` and transformers read; see `conversion.to_hf.write_hf` for the options."""
-    from conversion import write_hf
+    `load_hf` and transformers read; see `hybridjax.conversion.to_hf.write_hf` for the options."""
+    from hybridjax.conversion import write_hf
 
     return write_hf(params, cfg, out_dir, **kw)
 

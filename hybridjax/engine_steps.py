@@ -35,7 +35,7 @@ from hybridjax.cache import Cache, GDNState, PagedKV
 from hybridjax.config import FULL, Config
 from hybridjax.generate import Sampler, next_token
 from hybridjax.model import forward
-from hybridjax.sampling import SamplingParams, apply_penalties
+from hybridjax.sampling import SamplingParams, logprobs_of
 
 Array = jax.Array
 
@@ -166,9 +166,7 @@ def _logprobs(logits: Array, sampler: Sampler, tok: Array, want: Array):
     temperature (1 for greedy), before any top-k / top-p / min-p cut. Zeros unless a row wants them
     (a vocabulary-wide top-k is not free)."""
     def compute(_):
-        sp = sampler.params
-        pen = apply_penalties(logits, sp, sampler.seen, sampler.out_counts)
-        lp = jax.nn.log_softmax(pen / jnp.where(sp.temperature > 0, sp.temperature, 1.0)[:, None], axis=-1)
+        lp = logprobs_of(logits, sampler.params, sampler.seen, sampler.out_counts)
         top_lp, top_ids = jax.lax.top_k(lp, MAX_TOP_LOGPROBS)
         return jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_lp
 

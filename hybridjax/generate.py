@@ -1,4 +1,5 @@
-"""The jit boundaries: prefill, decode step, whole-call generate, and a streaming iterator.
+"""The jit boundaries: prefill, decode step, whole-call generate, a streaming iterator, and the
+log-probabilities of a prompt's own tokens.
 
 Donation rule (docs/architecture.md): only functions named `..._donating` donate the cache, and only a
 cache no snapshot holds may be passed to them. `prefill`, `decode_step` and `generate` never
@@ -22,9 +23,10 @@ from flax import struct
 
 from hybridjax.cache import Cache, KVState, init_cache, reserve
 from hybridjax.config import Config
-from hybridjax.model import forward
+from hybridjax.model import forward, forward_hidden, lm_logits
 from hybridjax.params import Params
-from hybridjax.sampling import Sampler, SamplingParams, init_sampler, next_token, sampling_params  # noqa: F401  (re-exported)
+from hybridjax.sampling import (Sampler, SamplingParams, init_sampler, logprobs_of, next_token,  # noqa: F401  (re-exported)
+                                sampling_params)
 from hybridjax.speculative import check_speculative, generate_speculative
 
 Array = jax.Array
@@ -112,6 +114,56 @@ def decode_step_donating(params: Params, tokens, cache: Cache, cfg: Config, acti
     tokens = jnp.asarray(tokens, jnp.int32)
     active = jnp.ones(tokens.shape, bool) if active is None else jnp.asarray(active, bool)
     return _decode_donating_jit(params, tokens, active, reserve(cache, 1), cfg)
+
+
+# --- a prompt's own log-probabilities ----------------------------------------------------
+
+SCORE_CHUNK = 256  # positions whose vocabulary-wide logits exist at once
+MAX_SCORE_TOP = 20  # alternatives computed per position (callers take fewer)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "chunk"))
+def _prompt_logprobs(params, tokens, cache, sp, cfg, chunk):
+    """tokens [T] (T a bucket, right-padded). Position i scores tokens[i + 1] with the sampler's
+    processing (`logprobs_of`): the prompt so far, tokens[: i + 1], counts as seen for the
+    repetition penalty; the output-only penalties see no output. Returns ([T], [T, k] ids, [T, k])."""
+    x, _ = forward_hidden(params, tokens[None], cache, cfg)
+    t, vocab = tokens.shape[0], cfg.vocab_size
+    c = min(chunk, t)  # both powers of two: c divides t
+    nxt = jnp.concatenate([tokens[1:], tokens[:1]])
+    chunks = (x[0].reshape(t // c, c, -1), tokens.reshape(t // c, c), nxt.reshape(t // c, c))
+    rows_sp = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (c,)), sp)
+
+    def step(seen, xs):
+        xc, tc, nc = xs  # [C, D], [C], [C]
+        here = tc[:, None] == jnp.arange(vocab)[None]  # [C, vocab]
+        seen_c = seen[None] | jax.lax.associative_scan(jnp.logical_or, here, axis=0)
+        lp = logprobs_of(lm_logits(params, xc), rows_sp, seen_c, jnp.zeros((1, vocab), jnp.int32))
+        top_lp, top_ids = jax.lax.top_k(lp, min(MAX_SCORE_TOP, vocab))
+        return seen_c[-1], (jnp.take_along_axis(lp, nc[:, None], axis=-1)[:, 0], top_ids, top_lp)
+
+    _, (lp, top_ids, top_lp) = jax.lax.scan(step, jnp.zeros((vocab,), bool), chunks)
+    return lp.reshape(t), top_ids.reshape(t, -1), top_lp.reshape(t, -1)
+
+
+def prompt_logprobs(params: Params, prompt_ids: Sequence[int], cfg: Config, sp: SamplingParams | None = None,
+                    top: int = 0, chunk: int = SCORE_CHUNK) -> list[tuple[float, tuple]]:
+    """For each prompt token after the first: (its log-probability given the tokens before it,
+    the `top` most likely (id, logprob), best first), from one forward over the prompt, with the
+    logits processed as the sampler's log-probabilities of generated tokens are (`sp`: one row of
+    sampling parameters; default greedy, no penalties: the model's own distribution). `chunk`
+    (a power of two): positions whose vocabulary-wide logits are computed at once."""
+    n = len(prompt_ids)
+    if not 0 <= top <= MAX_SCORE_TOP:
+        raise ValueError(f"prompt_logprobs: top must be in [0, {MAX_SCORE_TOP}], got {top}")
+    if n < 2:
+        return []
+    tokens, _ = pad_prompts([prompt_ids])
+    bucket = tokens.shape[1]
+    cache = init_cache(cfg, 1, bucket, params.embed.dtype, capacity=bucket, mesh=params.mesh)
+    sp = sampling_params(1) if sp is None else sp
+    lp, ids, tlp = (host_value(a) for a in _prompt_logprobs(params, jnp.asarray(tokens[0]), cache, sp, cfg, chunk))
+    return [(float(lp[i]), tuple(zip(ids[i, :top].tolist(), tlp[i, :top].tolist()))) for i in range(n - 1)]
 
 
 # --- whole-call generate ---------------------------------------------------------------

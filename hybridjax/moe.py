@@ -17,7 +17,7 @@ padding, inactive engine slots) are routed nowhere: no expert runs for them, the
 
 Expert compute: on CPU, `hybridjax.cpu_kernels.matmul_indexed` reads each chosen expert in place
 (XLA:CPU copies a dynamically sliced expert before a dot, ~25 us per 512 KB) for the gathered
-path and for grouped tiles of up to 8 rows; otherwise `pallas_kernels.grouped_matmul` (the XLA
+path and for grouped tiles of up to 8 rows; otherwise `hybridjax.pallas_kernels.grouped_matmul` (the XLA
 group loop on CPU, the Pallas kernel when lowered for a GPU).
 
 Dispatch and combine are separate from the expert compute so that expert parallelism can put an
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 
 from hybridjax import cpu_kernels, ops
 from hybridjax.config import Config
-from pallas_kernels.grouped_matmul import default_tile_rows, group_tiles, grouped_matmul, tgmm_xla
+from hybridjax.pallas_kernels.grouped_matmul import default_tile_rows, group_tiles, grouped_matmul, tgmm_xla
 
 Array = jax.Array
 
@@ -180,7 +180,7 @@ def _gmm_cpu_fwd(x, w, group_sizes, tm, transposed):
 
 
 def _gmm_cpu_bwd(tm, transposed, res, dy):
-    x, w, group_sizes = res  # as pallas_kernels.grouped_matmul's VJP: dx grouped, dw per group
+    x, w, group_sizes = res  # as hybridjax.pallas_kernels.grouped_matmul's VJP: dx grouped, dw per group
     dx = _gmm_cpu(dy, w, group_sizes, tm, not transposed)
     dw = tgmm_xla(dy, x, group_sizes, w.shape[0]) if transposed else tgmm_xla(x, dy, group_sizes, w.shape[0])
     return dx.astype(x.dtype), dw.astype(w.dtype), None
@@ -198,7 +198,7 @@ def routed_experts(p, x: Array, valid: Array | None, cfg: Config, *, path: str |
     """The routed half of a MoE layer (p: MoEParams). x [N, D] -> [N, D] in x's dtype.
 
     path: "grouped" | "gathered" | None (gathered up to GATHER_MAX_PAIRS pairs, else grouped).
-    implementation: the grouped matmul's (pallas_kernels.grouped_matmul)."""
+    implementation: the grouped matmul's (hybridjax.pallas_kernels.grouped_matmul)."""
     r = route(x, p.router, cfg.num_experts_per_tok, cfg.norm_topk_prob, valid)
     pairs = x.shape[0] * cfg.num_experts_per_tok
     path = path or ("gathered" if pairs <= GATHER_MAX_PAIRS else "grouped")

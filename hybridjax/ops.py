@@ -2,9 +2,9 @@
 
 Precision policy (declared once, here): norms, softmax, gates and all recurrent state are
 computed in float32; matmuls take the parameter dtype and accumulate in float32 (`dense`).
-The delta rule itself is chosen in `pallas_kernels.gated_delta_rule` (reference / xla /
+The delta rule itself is chosen in `hybridjax.pallas_kernels.gated_delta_rule` (reference / xla /
 pallas); `delta_rule` below is the one place the model reaches it, as `paged_attention`
-(wrapping `pallas_kernels.paged_attention`) is for attention over the engine's pages; under a
+(wrapping `hybridjax.pallas_kernels.paged_attention`) is for attention over the engine's pages; under a
 multi-device mesh both run per head shard in `shard_map`.
 """
 
@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from hybridjax import cpu_kernels, sharding
-from pallas_kernels.gated_delta_rule import chunk_gated_delta_rule
-from pallas_kernels.paged_attention import paged_attention as _paged_attention
-from pallas_kernels.gated_delta_rule.common import l2norm
+from hybridjax.pallas_kernels.gated_delta_rule import chunk_gated_delta_rule
+from hybridjax.pallas_kernels.paged_attention import paged_attention as _paged_attention
+from hybridjax.pallas_kernels.gated_delta_rule.common import l2norm
 
 Array = jax.Array
 
@@ -163,7 +163,7 @@ def write_kv_paged(pages: Array, new: Array, table: Array, starts: Array, valid:
 
 def paged_attention(q, k_pages, v_pages, page_table, q_pos, *, scale=None, implementation=None):
     """Attention over the engine's page pool (the model's one way in; see
-    pallas_kernels.paged_attention). Under a multi-device mesh it runs per KV-head shard in
+    hybridjax.pallas_kernels.paged_attention). Under a multi-device mesh it runs per KV-head shard in
     `shard_map` (query head h reads KV head h // g, so contiguous shards line up): the Pallas
     kernel is an opaque call XLA would otherwise run on a gathered pool."""
     attend = functools.partial(_paged_attention, scale=scale, implementation=implementation)
@@ -176,7 +176,7 @@ def paged_attention(q, k_pages, v_pages, page_table, q_pos, *, scale=None, imple
 
 
 def delta_rule(q, k, v, g, beta, state, implementation=None):
-    """The gated delta rule with q/k L2-normalised inside; see pallas_kernels.gated_delta_rule.
+    """The gated delta rule with q/k L2-normalised inside; see hybridjax.pallas_kernels.gated_delta_rule.
 
     Under a multi-device mesh (`sharding.mesh_scope`) it runs per head shard in `shard_map`:
     heads are independent, so nothing is communicated inside, and the kernels see local shapes.
@@ -196,7 +196,7 @@ def delta_rule_steps(q, k, v, g, beta, state):
     """The gated delta rule token by token, keeping the state after every token: for
     speculative verification, where the state after the last accepted token is wanted and
     recurrent state cannot be trimmed. q/k L2-normalised inside, float32 throughout, the same
-    recurrence and order as `pallas_kernels.gated_delta_rule.reference` (what the xla path runs
+    recurrence and order as `hybridjax.pallas_kernels.gated_delta_rule.reference` (what the xla path runs
     for a few tokens), so its outputs equal a decode step's.
 
     q, k [B, T, Hk, K]; v [B, T, Hv, V]; g, beta [B, T, Hv]; state [B, Hv, K, V].

@@ -81,6 +81,13 @@ def apply_penalties(logits: Array, sp: SamplingParams, seen: Array, out_counts: 
     return logits - sp.presence_penalty[:, None] * (counts > 0) - sp.frequency_penalty[:, None] * counts
 
 
+def logprobs_of(logits: Array, sp: SamplingParams, seen: Array, out_counts: Array) -> Array:
+    """Log-probabilities [B, vocab] as the sampler sees the logits: penalties applied, then divided
+    by the temperature (1 for greedy), before any top-k / top-p / min-p cut."""
+    pen = apply_penalties(logits, sp, seen, out_counts)
+    return jax.nn.log_softmax(pen / jnp.where(sp.temperature > 0, sp.temperature, 1.0)[:, None], axis=-1)
+
+
 def filter_logits(logits: Array, sp: SamplingParams) -> Array:
     """Temperature-scaled logits with top-k, top-p and min-p masked to -inf. [B, vocab]."""
     vocab = logits.shape[-1]

@@ -8,7 +8,7 @@
 The mesh always has the three axes `data` (batch rows), `tensor` (heads, hidden columns,
 vocabulary) and `expert` (MoE experts), size 1 when unused, so every rule can name every axis.
 Parameters are placed by `RULES`, one table keyed by the leaf's dotted path (the names of
-`conversion.hf.leaf_shapes`); XLA's partitioner inserts the collectives (Megatron-style: column
+`hybridjax.conversion.hf.leaf_shapes`); XLA's partitioner inserts the collectives (Megatron-style: column
 sharded in, row sharded out, one all-reduce per block; experts on their own axis). The delta rule
 is the exception: it is independent per head, so `delta_rule_specs` runs it under `shard_map` with
 no communication inside (the Pallas kernels could not be partitioned by XLA anyway).

@@ -48,7 +48,7 @@ def build_models(root: Path) -> dict[str, Path]:
 
 def shard_shapes(params) -> dict[str, list]:
     """A few leaves' shard shape on every device (all devices must agree on it)."""
-    from conversion.hf import flat_leaves
+    from hybridjax.conversion.hf import flat_leaves
 
     out = {}
     for path, x in flat_leaves(params.replace(mesh=None)).items():
@@ -91,7 +91,7 @@ def engine_tokens(cfg, params) -> list[list[int]]:
 
 def same_params(one, many) -> bool:
     """Sharded params equal one device's, leaf by leaf, bit for bit."""
-    from conversion.hf import flat_leaves
+    from hybridjax.conversion.hf import flat_leaves
 
     a, b = flat_leaves(one.replace(mesh=None)), flat_leaves(many.replace(mesh=None))
     return a.keys() == b.keys() and all(np.array_equal(np.asarray(a[k]), np.asarray(b[k])) for k in a)
@@ -150,8 +150,8 @@ def main(out_dir: str, engine: bool = False) -> dict:
             }
             report["timings"][f"{name}:{spec}"] = time.perf_counter() - t
         if name == "dense":  # a converted (orbax) checkpoint restores straight onto the mesh
-            from conversion import convert_hf
-            from conversion.hf import flat_leaves
+            from hybridjax.conversion import convert_hf
+            from hybridjax.conversion.hf import flat_leaves
 
             mesh = hybridjax.make_mesh("data=2,tensor=2", devices=jax.devices()[:4])
             convert_hf(d, root / "dense_ckpt", dtype="float32")

@@ -1,7 +1,7 @@
 """`hybridjax convert`: HF -> checkpoint -> HF round trips, loading both kinds, every error.
 
 Round trips must be bit-identical and give back every tensor of the source: the transforms of
-conversion/names.py are exact inverses (transposes, reshapes, splits, stacks), nothing is cast
+hybridjax/conversion/names.py are exact inverses (transposes, reshapes, splits, stacks), nothing is cast
 when the dtype is kept, and what the text model does not use (the multimodal Qwen3.5's vision
 tower, `model.visual.*`) is carried verbatim in `params.extra`.
 """
@@ -21,12 +21,12 @@ import torch
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-import conversion
+from hybridjax import conversion
 import hf_models
 import hybridjax
-from conversion import checkpoint as ckpt_mod
-from conversion import to_hf as to_hf_mod
-from conversion import cli as convert_cli
+from hybridjax.conversion import checkpoint as ckpt_mod
+from hybridjax.conversion import to_hf as to_hf_mod
+from hybridjax.conversion import cli as convert_cli
 from hybridjax.cli import model_logits
 
 
@@ -245,6 +245,33 @@ def test_cli_reports_progress_kept_vision_and_verify(hf_dirs, tmp_path, capsys):
     assert "hybridjax(result) - logits hybridjax(source)| = 0 " in lines[0]
     assert "transformers(result)" in lines[1] and float(lines[1].split("= ")[1].split()[0]) < 1e-4
     assert "convert" not in err  # --quiet: no bar
+
+
+def test_loading_reports_progress(hf_dirs, converted, capsys):
+    """Loading, from HF safetensors or an orbax checkpoint, reports each param leaf and its bytes:
+    to a factory, or as a tqdm bar on stderr when asked (by default only when stderr is a
+    terminal, which it is not under pytest)."""
+    for path in (hf_dirs["qwen3_5_dense"], converted["qwen3_5_dense"]):
+        seen = []
+
+        def factory(steps, total_bytes):
+            seen.append([steps, total_bytes, 0, 0])
+
+            def step(nbytes):
+                seen[-1][2] += 1
+                seen[-1][3] += nbytes
+            return step
+
+        _, params = conversion.load(path, progress=factory)
+        leaves = jax.tree_util.tree_leaves(params)
+        ((steps, total, calls, nbytes),) = seen
+        assert calls == steps == len(leaves) and nbytes == total == sum(x.nbytes for x in leaves), path
+        capsys.readouterr()
+        conversion.load(path, progress=True)
+        err = capsys.readouterr().err
+        assert "load: 100%" in err and f"{steps}/{steps} tensors" in err
+        conversion.load(path)
+        assert capsys.readouterr().err == ""
 
 
 def test_force_replaces_existing_output(hf_dirs, tmp_path):

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.gated_delta_rule import (
+from hybridjax.pallas_kernels.gated_delta_rule import (
     RECURRENT_MAX_TOKENS,
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_xla,

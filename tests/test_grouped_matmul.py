@@ -1,4 +1,4 @@
-"""pallas_kernels.grouped_matmul (XLA loop, ragged_dot, the Pallas kernel in the interpreter and
+"""hybridjax.pallas_kernels.grouped_matmul (XLA loop, ragged_dot, the Pallas kernel in the interpreter and
 lowered for CUDA) and the CPU kernel's indexed matmul against the naive reference.
 
 Cases: empty groups, a group of one row, rows past the groups (must come out zero), tiles that
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from hybridjax import cpu_kernels, moe
-from pallas_kernels.grouped_matmul import gmm_pallas, gmm_reference, grouped_matmul, tgmm_reference, tgmm_xla
+from hybridjax.pallas_kernels.grouped_matmul import gmm_pallas, gmm_reference, grouped_matmul, tgmm_reference, tgmm_xla
 
 RTOL = 1e-5
 M, K, N = 37, 16, 32  # K, N multiples of 16: the Pallas kernel takes them

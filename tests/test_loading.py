@@ -12,7 +12,7 @@ from safetensors.numpy import load_file, save_file
 
 import hf_models
 import hybridjax
-from conversion import CheckpointError
+from hybridjax.conversion import CheckpointError
 from hybridjax.config import ConfigError, config_from_dict
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-import conversion
+from hybridjax import conversion
 import hf_models
 import hybridjax
 from hybridjax.model import forward_hidden
@@ -78,7 +78,7 @@ def test_mtp_matches_torch_reference(arch, with_mtp, torch_models):
 
 
 def test_mtp_survives_convert_and_export(with_mtp, tmp_path):
-    from conversion.cli import main
+    from hybridjax.conversion.cli import main
 
     src, _ = with_mtp["qwen3_next_moe"]
     side = {"tokenizer.json": '{"version": "1.0"}', "chat_template.jinja": "{{ x }}"}

@@ -4,8 +4,12 @@ errors, and docs that stay inside the repository."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -78,7 +82,13 @@ def test_cli_help_shows_defaults_version_and_plain_errors(capsys):
     with pytest.raises(SystemExit):
         cli.main(["serve", "--slots", "many"])
     err = capsys.readouterr().err
-    assert "--slots" in err and "_positive_int" not in err
+    assert "--slots" in err and "expected an integer, got 'many'" in err and "integer value" not in err
+    for argv, message in ((["serve", "--slots", "-1"], "argument --slots: must be >= 0, got -1"),
+                          (["train", "--steps", "0"], "argument --steps: must be >= 1, got 0"),
+                          (["serve", "--page-size", "48"], "argument --page-size: must be a power of two, got 48")):
+        with pytest.raises(SystemExit):
+            cli.main(argv)
+        assert message in capsys.readouterr().err, argv
     from hybridjax.sampling import sampling_params
 
     with pytest.raises(ValueError) as e:
@@ -91,10 +101,37 @@ def test_docs_live_in_the_repository():
     readme = (ROOT / "README.md").read_text()
     assert "docs/architecture.md" in readme and "notebooks/" in readme and "tokenizer.json" in readme
     files = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]
-    for d in ("hybridjax", "pallas_kernels", "conversion", "benchmarks"):
+    for d in ("hybridjax", "benchmarks"):
         files += [p for p in (ROOT / d).rglob("*") if p.suffix in (".py", ".md")]
     outside = [str(p.relative_to(ROOT)) for p in files if re.search(r"\.\./shared|shared/DESIGN", p.read_text())]
     assert outside == []
+
+
+def test_everything_installed_lives_under_the_hybridjax_name(tmp_path):
+    """The kernels and the checkpoint converter once installed as top-level `pallas_kernels` and
+    `conversion`, names another project could own. setuptools' build_py copies exactly the
+    packages a wheel (or a non-editable install) gets, from pyproject's own configuration."""
+    subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(tmp_path)], cwd=ROOT,
+                   check=True, capture_output=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hybridjax"]
+    assert (tmp_path / "hybridjax" / "pallas_kernels" / "gated_delta_rule" / "api.py").is_file()
+    assert (tmp_path / "hybridjax" / "conversion" / "hf.py").is_file()
+
+
+def test_no_code_imports_the_old_top_level_names():
+    """An import of the old names would still succeed in a venv holding an older install (its
+    editable finder maps them to that other tree): scan code, tests, benchmarks and notebooks."""
+    sources = {p: p.read_text() for d in ("hybridjax", "tests", "benchmarks") for p in (ROOT / d).rglob("*.py")}
+    for nb in (ROOT / "notebooks").glob("*.ipynb"):
+        cells = json.loads(nb.read_text())["cells"]
+        sources[nb] = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+    old = []
+    for path, text in sources.items():
+        for n in ast.walk(ast.parse(text)):
+            names = [a.name for a in n.names] if isinstance(n, ast.Import) else \
+                [n.module] if isinstance(n, ast.ImportFrom) and n.module and n.level == 0 else []
+            old += [f"{path.relative_to(ROOT)}: {m}" for m in names if m.split(".")[0] in ("conversion", "pallas_kernels")]
+    assert old == []
 
 
 def test_serve_logs_the_model_its_size_and_load_time(monkeypatch, caplog):

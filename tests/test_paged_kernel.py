@@ -1,4 +1,4 @@
-"""The Pallas paged-attention kernel (pallas_kernels/paged_attention/pallas.py), on a CPU-only
+"""The Pallas paged-attention kernel (hybridjax/pallas_kernels/paged_attention/pallas.py), on a CPU-only
 machine three ways.
 
 1. Numerically, in Pallas interpret mode, against the gather-everything reference and the XLA
@@ -11,7 +11,7 @@ machine three ways.
    interpreter is not; None picks it for decode only; the engine's decode step carries it.
 3. Unchanged on CPU: implementation=None compiles to exactly the XLA path's program.
 
-Where `triton` and `pallas_kernels/triton_offline.py` are installed, the kernel is also compiled
+Where `triton` and `hybridjax/pallas_kernels/triton_offline.py` are installed, the kernel is also compiled
 for sm_90 and sm_89 and checked for tensor cores, spills and shared memory.
 
 Interpret mode is slow and compile time dominates on 2 cores: four small cases, each one
@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import pallas_kernels.paged_attention.api as api
-from pallas_kernels.paged_attention import (
+import hybridjax.pallas_kernels.paged_attention.api as api
+from hybridjax.pallas_kernels.paged_attention import (
     MAX_DECODE_QUERIES,
     paged_attention,
     paged_attention_pallas,
@@ -170,7 +170,7 @@ def test_table_entries_past_a_rows_pages_are_never_read():
 
 
 def test_default_splits_cover_the_table_and_fill_a_gpu():
-    from pallas_kernels.paged_attention.pallas import MAX_SPLITS, default_splits
+    from hybridjax.pallas_kernels.paged_attention.pallas import MAX_SPLITS, default_splits
 
     assert default_splits(1, 2, 1, 64) == MAX_SPLITS  # one sequence: split its pages
     assert default_splits(1, 2, 1, 3) == 3  # never more splits than pages
@@ -280,7 +280,7 @@ def test_pallas_with_shapes_it_cannot_take_fails_fast(dh, s, what):
         paged_attention(*_small(dh, s), implementation="pallas")
 
 
-# ---- compiled offline for GPUs (needs `triton` and pallas_kernels/triton_offline.py) -----------
+# ---- compiled offline for GPUs (needs `triton` and hybridjax/pallas_kernels/triton_offline.py) -----------
 
 
 @pytest.mark.parametrize("arch", [90, 89])
@@ -290,7 +290,7 @@ def test_compiles_for_gpu_without_spills(dtype, t, arch):
     with the `triton` package (no GPU needed): bf16 on tensor cores, no spills, shared memory
     within the target's limit. Skipped where the offline compiler helper is not installed."""
     pytest.importorskip("triton")
-    triton_offline = pytest.importorskip("pallas_kernels.triton_offline")
+    triton_offline = pytest.importorskip("hybridjax.pallas_kernels.triton_offline")
     [kernel] = triton_offline.triton_kernels(_lower("pallas", t, dtype))
     report = triton_offline.compile_kernel(kernel, arch)
     print(triton_offline.format_table([report]))

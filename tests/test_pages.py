@@ -21,7 +21,7 @@ from hybridjax.default_model import tiny_test_model
 from hybridjax.engine import Engine, GenerationRequest, RequestHandle
 from hybridjax.pages import PagePool, PoolExhausted, pages_for
 from hybridjax.prefix_cache import SnapshotStore
-from pallas_kernels.paged_attention import paged_attention
+from hybridjax.pallas_kernels.paged_attention import paged_attention
 
 # --- paged attention == contiguous attention ---------------------------------------------
 

@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import pallas_kernels.gated_delta_rule.api as api
-from pallas_kernels.gated_delta_rule import (
+import hybridjax.pallas_kernels.gated_delta_rule.api as api
+from hybridjax.pallas_kernels.gated_delta_rule import (
     RECURRENT_MAX_TOKENS,
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_pallas,

@@ -1,5 +1,5 @@
 """The rest of the OpenAI API (issue 14, parts 2 and 3) over real HTTP with the openai client:
-log-probabilities, n > 1, echo, response_format, GET /v1/models/{id}, unsupported fields, several
+log-probabilities, n > 1, echo (with the prompt's log-probabilities), tool_choice, response_format, GET /v1/models/{id}, unsupported fields, several
 API keys, tool calling through a chat template that has tools, and multi-turn reuse through a
 template that does not render the history as prompt + response (it drops the `<think>` the
 generation prompt opened, as Qwen3.5's does).
@@ -13,12 +13,18 @@ import json
 import threading
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import openai
 import pytest
 from test_server import MODEL, RunningServer
 
+from hybridjax.cache import init_cache
 from hybridjax.default_model import tiny_test_model
 from hybridjax.engine import Event, RequestHandle
+from hybridjax.generate import prompt_logprobs, sampling_params
+from hybridjax.model import forward
 from hybridjax.tokenizer import Tokenizer
 
 # ChatML with tools (Qwen3's hermes layout) and thinking: the generation prompt opens <think>,
@@ -122,8 +128,50 @@ def test_completion_logprobs_and_echo(server):
     parts = [ch.choices[0].text for ch in c.create(model=MODEL, prompt="Echo this", max_tokens=4, temperature=0,
                                                    echo=True, stream=True) if ch.choices]
     assert parts[0] == "Echo this" and "".join(parts) == echoed.choices[0].text
-    with pytest.raises(openai.BadRequestError, match="echo"):
-        c.create(model=MODEL, prompt="x", max_tokens=1, echo=True, logprobs=1)
+
+
+def reference_prompt_logprobs(logits, ids, temperature=0.0, repetition_penalty=1.0) -> np.ndarray:
+    """Independent of the server's path: log_softmax of `forward`'s logits [T, vocab] over the
+    unpadded prompt (float64 in numpy), processed by hand as the sampler does: the repetition
+    penalty on the tokens so far, then the temperature (1 when greedy)."""
+    logits, out = np.asarray(logits, np.float64), []
+    for i in range(len(ids) - 1):
+        seen = np.isin(np.arange(logits.shape[1]), ids[: i + 1])
+        x = logits[i]
+        x = np.where(seen, np.where(x > 0, x / repetition_penalty, x * repetition_penalty), x) / (temperature or 1.0)
+        out.append(x[ids[i + 1]] - x.max() - np.log(np.exp(x - x.max()).sum()))
+    return np.array(out)
+
+
+def test_echo_logprobs_score_the_prompt(server):
+    """echo + logprobs: the prompt's tokens get log-probabilities (the first none, as OpenAI's),
+    against `reference_prompt_logprobs` within 1e-4 (two float32 forwards of the tiny model, one
+    padded to a bucket, agree to ~1e-5); the library call in chunks of 8 positions (the penalty's
+    record of seen tokens crosses chunks) gives the same."""
+    c, eng = server.client.completions, server.engine
+    text = "abc def abc def abc def abc d"
+    ids = eng.tokenizer.encode(text)
+    n = len(ids)
+    logits = jax.jit(forward, static_argnames="cfg")(eng.params, jnp.asarray([ids]),
+                                                     init_cache(eng.cfg, 1, n, capacity=n), eng.cfg)[0][0]
+    for temperature, rp in ((0.0, 1.0), (0.7, 1.3)):
+        want = reference_prompt_logprobs(logits, ids, temperature, rp)
+        r = c.create(model=MODEL, prompt=text, max_tokens=2, echo=True, logprobs=3, seed=1, temperature=temperature,
+                     extra_body={"repetition_penalty": rp})
+        lp = r.choices[0].logprobs
+        assert "".join(lp.tokens[:n]) == text and "".join(lp.tokens) == r.choices[0].text
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert np.abs(np.array(lp.token_logprobs[1:n]) - want).max() < 1e-4, (temperature, rp)
+        for v, top in zip(lp.token_logprobs[1:n], lp.top_logprobs[1:n]):
+            assert len(top) == 3 and max(top.values()) >= v - 1e-6
+        assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    chunked = prompt_logprobs(eng.params, ids, eng.cfg, sampling_params(1, temperature=0.7, repetition_penalty=1.3),
+                              chunk=8)
+    assert n > 16 and np.abs(np.array([v for v, _ in chunked]) - want).max() < 1e-4
+    with c.create(model=MODEL, prompt=text, max_tokens=2, echo=True, logprobs=3, seed=1, temperature=0.7,
+                  extra_body={"repetition_penalty": 1.3}, stream=True) as stream:
+        first = next(iter(stream))
+    assert first.choices[0].text == text and first.choices[0].logprobs.token_logprobs == lp.token_logprobs[:n]
 
 
 def test_n_choices_share_the_prompt_prefill(server):
@@ -164,8 +212,9 @@ def test_models_response_format_and_unsupported_fields(server):
         assert e.value.body["param"] == next(iter(extra))
     with pytest.raises(openai.BadRequestError, match="unsupported parameter 'best_of'"):
         c.completions.create(model=MODEL, prompt="x", max_tokens=1, best_of=2)
-    with pytest.raises(openai.BadRequestError, match="tool_choice"):
-        chat(server, msgs, tools=TOOLS, tool_choice="required")
+    with pytest.raises(openai.BadRequestError, match="needs tools") as e:
+        chat(server, msgs, tool_choice="required")
+    assert e.value.body["param"] == "tool_choice"
     assert chat(server, msgs, max_tokens=1, user="someone", extra_body={"metadata": {"a": "b"}}).choices  # no effect
 
 
@@ -207,12 +256,14 @@ def test_tools_are_rendered_by_the_template_and_tool_messages_accepted(server):
     assert r.usage.prompt_tokens == len(tok.encode(rendered))
 
 
-def scripted(server, monkeypatch, text: str):
+def scripted(server, monkeypatch, text: str) -> list:
     """Make the engine 'generate' `text` (one event per character): the tiny model is random, and
-    these tests are about how the server reads tool calls out of what a model writes."""
-    tok = server.engine.tokenizer
+    these tests are about how the server reads tool calls out of what a model writes. Returns the
+    list the requests it receives go to."""
+    tok, received = server.engine.tokenizer, []
 
     def submit(greq, loop=None):
+        received.append(greq)
         h = RequestHandle(greq, loop)
 
         def run():
@@ -228,6 +279,7 @@ def scripted(server, monkeypatch, text: str):
         return h
 
     monkeypatch.setattr(server.engine, "submit", submit)
+    return received
 
 
 HERMES = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
@@ -259,6 +311,63 @@ def test_tool_calls_are_parsed_streaming_or_not(server, monkeypatch, text, conte
     assert finish == "tool_calls"
     plain = chat(server, msgs)  # without tools the text is the text
     assert plain.choices[0].message.content == text and plain.choices[0].message.tool_calls is None
+
+
+GET_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+JSON_OPENING = '<tool_call>\n{"name": "get_weather", "arguments": '
+
+
+@pytest.mark.parametrize("choice,opening,generated,args", [
+    (GET_WEATHER, JSON_OPENING, '{"city": "Paris", "days": 2}}\n</tool_call>', {"city": "Paris", "days": 2}),
+    ("required", "<tool_call>\n", '{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+     {"city": "Oslo"}),
+])
+def test_tool_choice_forces_the_calls_opening(server, monkeypatch, choice, opening, generated, args):
+    """The prompt ends with the call's opening (after closing the thinking block the generation
+    prompt opened), and what the model writes next is read as if it had written the opening."""
+    received = scripted(server, monkeypatch, generated)
+    tok, msgs = server.engine.tokenizer, [{"role": "user", "content": "Weather?"}]
+    r = chat(server, msgs, tools=TOOLS, tool_choice=choice)
+    assert received[0].prompt_ids == tok.encode(tok.render_chat(msgs, tools=TOOLS) + "\n</think>\n\n" + opening)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == args
+    assert r.choices[0].message.content is None and r.choices[0].finish_reason == "tool_calls"
+    parts, calls = [], []
+    for ch in chat(server, msgs, tools=TOOLS, tool_choice=choice, stream=True):
+        parts.append(ch.choices[0].delta.content or "")
+        calls += ch.choices[0].delta.tool_calls or []
+    assert "".join(parts) == "" and [c.function.name for c in calls] == ["get_weather"]
+    assert json.loads(calls[0].function.arguments) == args
+
+
+def test_tool_choice_names_a_function_among_the_tools(server):
+    msgs = [{"role": "user", "content": "Weather?"}]
+    for choice, message in (({"type": "function", "function": {"name": "get_time"}}, "'get_time' is not among"),
+                            ({"type": "function"}, "a named tool_choice is")):
+        with pytest.raises(openai.BadRequestError, match=message) as e:
+            chat(server, msgs, tools=TOOLS, tool_choice=choice)
+        assert e.value.body["param"] == "tool_choice"
+
+
+def test_a_forced_call_is_the_responses_start_for_the_next_turn(server):
+    """With the real (random) model: the forced opening is in the prompt, the answer is read from
+    it on, and the next turn, with that answer in its history, prefills only its new message."""
+    tok, eng = server.engine.tokenizer, server.engine
+    msgs = [{"role": "user", "content": "Forced call, first turn."}]
+    wait_idle(eng)
+    r = chat(server, msgs, tools=TOOLS, tool_choice=GET_WEATHER)
+    assert r.usage.prompt_tokens == len(tok.encode(tok.render_chat(msgs, tools=TOOLS) + "\n</think>\n\n"
+                                                   + JSON_OPENING))
+    m = r.choices[0].message
+    if m.tool_calls:  # the random model happened to close valid JSON
+        assert m.tool_calls[0].function.name == "get_weather"
+    else:  # the block did not parse: it stays text, from the forced opening on
+        assert m.content.startswith(JSON_OPENING)
+    history = msgs + [m.model_dump(exclude_none=True), {"role": "user", "content": "And the second turn?"}]
+    wait_idle(eng)
+    usage = chat(server, history, tools=TOOLS).usage
+    new = tok.encode("And the second turn?<|im_end|>\n<|im_start|>assistant\n<think>\n")
+    assert usage.prompt_tokens - usage.prompt_tokens_details.cached_tokens == len(new)
 
 
 # --- multi-turn reuse through the template -------------------------------------------------------

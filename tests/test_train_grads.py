@@ -2,7 +2,7 @@
 multimodal-prefixed), every parameter matched by name; the MTP loss term's gradients against
 the torch MTP head of tests/hf_models.py.
 
-Our gradients are mapped into HF names by the checkpoint rules of `conversion.names` (the
+Our gradients are mapped into HF names by the checkpoint rules of `hybridjax.conversion.names` (the
 transforms are transposes, reshapes, splits and stacks, so they carry gradients exactly as they
 carry weights). Through the Gated DeltaNet layers our gradients come from the delta rule's
 custom VJP (XLA backward on CPU); torch differentiates its own chunked delta rule.
@@ -26,8 +26,8 @@ import torch
 
 import hf_models
 import hybridjax
-from conversion.hf import flat_leaves, has_fused_experts, text_root
-from conversion.names import rules_for
+from hybridjax.conversion.hf import flat_leaves, has_fused_experts, text_root
+from hybridjax.conversion.names import rules_for
 from hybridjax.train import loss_terms
 
 GRAD_RTOL = 1e-4

@@ -34,14 +34,19 @@ class _HelpFormatter(argparse.HelpFormatter):
         return text + " (default: %(default)s)"
 
 
-def _positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
+def int_at_least(n: int):
+    """An argparse type: an integer >= n, its errors in the user's terms (argparse prints them
+    after the flag's name)."""
+    def integer(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+        if v < n:
+            raise argparse.ArgumentTypeError(f"must be >= {n}, got {v}")
+        return v
+
+    return integer
 
 
 def _positive_float(s: str) -> float:
@@ -77,8 +82,8 @@ def read_api_keys(path: str) -> tuple[str, ...]:
 
 
 def _power_of_two(s: str) -> int:
-    v = _positive_int(s)
-    if v < 1 or v & (v - 1):
+    v = int_at_least(1)(s)
+    if v & (v - 1):
         raise argparse.ArgumentTypeError(f"must be a power of two, got {v}")
     return v
 
@@ -141,7 +146,7 @@ def _add_mesh_args(p) -> None:
     p.add_argument("--mesh", help='shard the model over devices: "data=1,tensor=2,expert=4" or "auto" '
                                   "(sizes multiply to the device count; default: one device)")
     p.add_argument("--coordinator", help="HOST:PORT of process 0, for a model spanning several processes / hosts")
-    p.add_argument("--num-processes", type=_positive_int, default=None, help="processes in the job (with --coordinator)")
+    p.add_argument("--num-processes", type=int_at_least(0), default=None, help="processes in the job (with --coordinator)")
     p.add_argument("--process-id", type=int, default=None, help="this process's index, 0..N-1 (with --coordinator)")
 
 
@@ -240,7 +245,7 @@ def _add_generate(sub) -> None:
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--messages", help="JSON file with a list of chat messages (rendered with the chat template)")
     src.add_argument("--token-ids", type=_token_ids, help="comma-separated prompt token ids")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=64, help="tokens to generate at most")
+    p.add_argument("--max-new-tokens", type=int_at_least(0), default=64, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (0 = off)")
@@ -304,14 +309,14 @@ def _add_serve(sub) -> None:
     p.add_argument("--model", help="HF model directory or converted checkpoint (default: the embedded default model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=_port, default=8000, help="port to listen on")
-    p.add_argument("--slots", type=_positive_int, default=4, help="requests decoded together")
-    p.add_argument("--max-len", type=_positive_int, default=4096, help="context length per request")
-    p.add_argument("--max-queue", type=_positive_int, default=64, help="waiting requests before 429")
+    p.add_argument("--slots", type=int_at_least(0), default=4, help="requests decoded together")
+    p.add_argument("--max-len", type=int_at_least(0), default=4096, help="context length per request")
+    p.add_argument("--max-queue", type=int_at_least(0), default=64, help="waiting requests before 429")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the snapshot store off")
     p.add_argument("--cache-mb", type=_positive_float, default=1024.0, help="snapshot store budget in MB")
-    p.add_argument("--cache-entries", type=_positive_int, default=256, help="snapshot store entry limit")
+    p.add_argument("--cache-entries", type=int_at_least(0), default=256, help="snapshot store entry limit")
     p.add_argument("--cache-ttl", type=_positive_float, default=3600.0, help="seconds a snapshot lives unused")
-    p.add_argument("--checkpoint-interval", type=_positive_int, default=256,
+    p.add_argument("--checkpoint-interval", type=int_at_least(0), default=256,
                    help="snapshot every N prompt tokens of a long prefill (0 = off)")
     p.add_argument("--prefix-cache-dir", help="persist snapshots here across restarts")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
@@ -319,7 +324,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-body-mb", type=_positive_float, default=8.0, help="largest request body in MB (413 above)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help=DTYPE_HELP)
     p.add_argument("--page-size", type=_power_of_two, default=64, help="tokens per KV page")
-    p.add_argument("--kv-pages", type=_positive_int, default=None,
+    p.add_argument("--kv-pages", type=int_at_least(0), default=None,
                    help="pages in the KV pool (default: from --kv-mb, else every slot at --max-len, twice)")
     p.add_argument("--kv-mb", type=_positive_float, default=None, help="memory for the KV pool in MB (instead of --kv-pages)")
     p.add_argument("--prefill-chunk", type=_power_of_two, default=256,
@@ -351,7 +356,7 @@ def model_logits(cfg, params, tokens):
 
 
 def _add_convert(sub) -> None:
-    from conversion import cli as convert_cli
+    from hybridjax.conversion import cli as convert_cli
 
     p = sub.add_parser("convert", help="convert HF safetensors <-> hybridjax checkpoints")
     convert_cli.add_arguments(p)
@@ -369,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_convert(sub)
     from hybridjax.cli.train import add_train
 
-    add_train(sub, _positive_int)
+    add_train(sub)
     for p in sub.choices.values():
         p.formatter_class = _HelpFormatter
     return parser

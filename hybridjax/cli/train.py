@@ -12,33 +12,24 @@ the assistant turns). The run directory `--out` holds:
     model/          the trained model as a converted checkpoint (LoRA merged), which
                     `hybridjax.load`, `generate --model`, `serve --model` and `convert --to-hf` read
 
-Part of the CLI layer (it writes checkpoints through `conversion`).
+Part of the CLI layer (it writes checkpoints through `hybridjax.conversion`).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import tempfile
 from pathlib import Path
 
+from hybridjax.cli import int_at_least
+
 RUN_KEYS = ("model", "config", "data", "batch_size", "seq_len", "lr", "lora_rank", "grad_accum", "warmup",
             "mtp_weight", "compute_dtype", "seed", "steps")
 
 
-def _count(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
-def add_train(sub, positive_int) -> None:
-    """Add the `train` subcommand; `positive_int` is the CLI's type for values >= 0."""
+def add_train(sub) -> None:
+    """Add the `train` subcommand."""
     p = sub.add_parser("train", help="train or fine-tune (full or LoRA) with optax")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="HF model directory or converted checkpoint to fine-tune")
@@ -47,19 +38,19 @@ def add_train(sub, positive_int) -> None:
                                        "directory, else a byte-level tokenizer)")
     p.add_argument("--data", required=True, help='JSON lines of {"text": ...} or {"messages": [...]}')
     p.add_argument("--out", required=True, help="run directory (metrics.jsonl, state/, model/)")
-    p.add_argument("--steps", type=_count, default=100)
-    p.add_argument("--batch-size", type=_count, default=8)
-    p.add_argument("--seq-len", type=_count, default=256)
+    p.add_argument("--steps", type=int_at_least(1), default=100)
+    p.add_argument("--batch-size", type=int_at_least(1), default=8)
+    p.add_argument("--seq-len", type=int_at_least(1), default=256)
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 3e-4; 1e-3 with LoRA)")
-    p.add_argument("--warmup", type=positive_int, default=None, help="warm-up steps (default: steps / 10, at most 100)")
-    p.add_argument("--lora-rank", type=positive_int, default=0, help="train rank-R adapters instead of all weights")
-    p.add_argument("--grad-accum", type=_count, default=1, help="micro-batches per step (divides --batch-size)")
+    p.add_argument("--warmup", type=int_at_least(0), default=None, help="warm-up steps (default: steps / 10, at most 100)")
+    p.add_argument("--lora-rank", type=int_at_least(0), default=0, help="train rank-R adapters instead of all weights")
+    p.add_argument("--grad-accum", type=int_at_least(1), default=1, help="micro-batches per step (divides --batch-size)")
     p.add_argument("--mtp-weight", type=float, default=None,
                    help="weight of the MTP head's loss (default 0.3 when the model has one and training is full)")
     p.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--save-every", type=_count, default=100, help="checkpoint every N steps (and at the end)")
-    p.add_argument("--log-every", type=_count, default=1)
+    p.add_argument("--save-every", type=int_at_least(1), default=100, help="checkpoint every N steps (and at the end)")
+    p.add_argument("--log-every", type=int_at_least(1), default=1)
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its last checkpoint (same settings; a larger --steps "
                         "extends it, stretching the cosine schedule from there)")
@@ -167,6 +158,6 @@ def _model(args, error):
 
 
 def _save_model(params, out: Path, config_dir: Path) -> None:
-    from conversion import save_checkpoint
+    from hybridjax.conversion import save_checkpoint
 
     save_checkpoint(params, out, config_dir=config_dir, force=True, source={"trained_by": "hybridjax train"})

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 
 from hybridjax.engine import Engine, GenerationRequest, QueueFull, RequestHandle
+from hybridjax.generate import prompt_logprobs, sampling_params
 from hybridjax.pages import page_bytes
 from hybridjax.prefix_cache import SnapshotStore, history_boundary, model_identity
 from hybridjax.server import openai_format as fmt
@@ -356,12 +357,17 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
         tools = req.tools if req.tools and req.tool_choice != "none" else None
         if tools:
             kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
+        # tool_choice "required" / a named function: the prompt ends with the call's opening, which
+        # then counts as the response's start (parsed with it; the cache holds it as prompt tokens).
+        opening = fmt.forced_tool_opening(tok.chat_template, req.tool_choice) if tools else ""
 
         def encode():
             try:
                 text = tok.render_chat(messages, add_generation_prompt=True, **kwargs)
             except (ValueError, TypeError) as e:
                 raise APIError(400, str(e), param="messages") from None
+            if opening:
+                text += fmt.close_thinking(text) + opening
             check_length(len(text), "messages")
             ids = tok.encode(text)
             return ids, history_boundary(tok, messages, ids, **kwargs)
@@ -387,7 +393,7 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
             first = await drain(request, handles)
             choices = []
             for i, h in enumerate(handles):
-                content, calls = fmt.split_tool_calls(h.text, tools) if tools else (h.text, [])
+                content, calls = fmt.split_tool_calls(h.text, tools, opening) if tools else (h.text, [])
                 choices.append({"index": i, "message": answer_of(content, calls), "finish_reason": finish(h, calls),
                                 "logprobs": fmt.chat_logprobs(tok, scored(h)) if req.logprobs else None})
             log_request("chat", handles, t0, first)
@@ -399,7 +405,7 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
         include = bool(req.stream_options and req.stream_options.include_usage)
 
         async def sse():
-            streams = [fmt.ToolCallStream(tools) if tools else None for _ in handles]
+            streams = [fmt.ToolCallStream(tools, opening) if tools else None for _ in handles]
             texts, first = [""] * len(handles), None
             try:
                 for i in range(len(handles)):  # chat streams open with the role
@@ -449,17 +455,20 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
         t0 = time.perf_counter()
         namespace = check_auth(request)
         req = await parse(request, CompletionRequest)
-        if req.echo and req.logprobs is not None:
-            raise APIError(400, "invalid parameter 'echo': echo with logprobs (prompt log-probabilities) is not "
-                           "supported", param="echo")
         if isinstance(req.prompt, list):
             prompt_ids = list(req.prompt)
         else:
             check_length(len(req.prompt), "prompt")
             prompt_ids = await asyncio.to_thread(tok.encode, req.prompt)
-        handles = submit(engine_requests(req, prompt_ids, req.max_tokens, namespace, logprobs=req.logprobs))
+        greqs = engine_requests(req, prompt_ids, req.max_tokens, namespace, logprobs=req.logprobs)
         echo = ((req.prompt if isinstance(req.prompt, str) else await asyncio.to_thread(tok.decode, prompt_ids))
                 if req.echo else "")
+        echo_lp = None
+        if echo and req.logprobs is not None:  # the prompt's own tokens, scored as generated ones are
+            sp = sampling_params(1, temperature=req.temperature, repetition_penalty=req.repetition_penalty)
+            scores = await asyncio.to_thread(prompt_logprobs, engine.params, prompt_ids, engine.cfg, sp, req.logprobs)
+            echo_lp = fmt.completion_logprobs(tok, [(prompt_ids[0], (None, None)), *zip(prompt_ids[1:], scores)])
+        handles = submit(greqs)
         rid, now = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
         def chunk(i, text, finish_reason, logprobs=None):
@@ -469,9 +478,11 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
         if not req.stream:
             first = await drain(request, handles)
             log_request("completion", handles, t0, first)
+            lps = [fmt.completion_logprobs(tok, scored(h), len(echo)) if req.logprobs is not None else None
+                   for h in handles]
             choices = [{"index": i, "text": echo + h.text, "finish_reason": _finish(h.finish_reason),
-                        "logprobs": fmt.completion_logprobs(tok, scored(h)) if req.logprobs is not None else None}
-                       for i, h in enumerate(handles)]
+                        "logprobs": fmt.joined_logprobs(echo_lp, lp) if echo_lp else lp}
+                       for i, (h, lp) in enumerate(zip(handles, lps))]
             return JSONResponse({"id": rid, "object": "text_completion", "created": now, "model": model_name,
                                  "choices": choices, "usage": usage(handles)})
 
@@ -482,7 +493,7 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
             try:
                 if echo:
                     for i in range(len(handles)):
-                        yield _sse(chunk(i, echo, None))
+                        yield _sse(chunk(i, echo, None, echo_lp))
                 async for i, ev in merged(handles):  # completions streams open with the first text
                     h = handles[i]
                     first = first or time.perf_counter()

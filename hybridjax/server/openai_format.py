@@ -6,6 +6,10 @@ Tool calls are read from the text the way Qwen's chat templates ask models to wr
   - `<function=NAME><parameter=P>value</parameter>...</function>` (Qwen3.5, Qwen3-Coder),
 whose parameter values are JSON unless the tool's schema says the parameter is a string
 (vLLM's qwen3_coder parser reads them the same way). A block that does not parse stays text.
+
+`tool_choice` "required" or a named function is honoured without constrained decoding: the
+prompt ends with the opening of a call (`forced_tool_opening`), and the response is read as if
+the model had written that opening itself.
 """
 
 from __future__ import annotations
@@ -39,16 +43,22 @@ def chat_logprobs(tokenizer, entries: Sequence[tuple[int, tuple]]) -> dict:
 
 def completion_logprobs(tokenizer, entries: Sequence[tuple[int, tuple]], offset: int = 0) -> dict:
     """OpenAI completions `logprobs`: parallel lists of tokens, their logprobs, the top
-    alternatives ({token: logprob}) and each token's character offset in the text."""
+    alternatives ({token: logprob}) and each token's character offset in the text. An entry
+    (id, (None, None)) has neither (an echoed prompt's first token, which nothing predicts)."""
     tokens, lps, tops, offsets = [], [], [], []
     for tid, (lp, top) in entries:
         t = token_text(tokenizer, tid)
         tokens.append(t)
         lps.append(lp)
-        tops.append({token_text(tokenizer, i): v for i, v in top})
+        tops.append(None if top is None else {token_text(tokenizer, i): v for i, v in top})
         offsets.append(offset)
         offset += len(t)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def joined_logprobs(a: dict, b: dict) -> dict:
+    """Completions `logprobs` of two consecutive pieces of text (an echoed prompt, then the answer)."""
+    return {k: a[k] + b[k] for k in a}
 
 
 # --- tool calls ----------------------------------------------------------------------------
@@ -96,11 +106,12 @@ class ToolCallStream:
     """Splits generated text, as it arrives, into content and tool calls. Text that may be the
     start of `<tool_call>` is held until it is known not to be."""
 
-    def __init__(self, tools=None):
+    def __init__(self, tools=None, opening: str = ""):
         self.tools = tools
         self.pending = ""
         self.inside = False
         self.calls: list[dict] = []
+        self.push(opening)  # a forced opening (forced_tool_opening) reads as the model's own text
 
     def push(self, text: str) -> tuple[str, list[dict]]:
         """(content to send, tool calls completed) after `text`."""
@@ -150,9 +161,30 @@ def _partial_tail(text: str, marker: str) -> int:
     return 0
 
 
-def split_tool_calls(text: str, tools=None) -> tuple[str | None, list[dict]]:
-    """(content or None, tool calls) of a whole response."""
-    s = ToolCallStream(tools)
+def forced_tool_opening(chat_template: str | None, tool_choice) -> str:
+    """The text a response must start with for `tool_choice`: "required" opens a call block (the
+    model names the function); {"type": "function", "function": {"name": N}} also names N, as the
+    template writes calls (`<function=N>` in Qwen3.5's XML form, else Qwen3's JSON). "" otherwise."""
+    if tool_choice == "required":
+        return OPEN + "\n"
+    if not isinstance(tool_choice, dict):
+        return ""
+    name = tool_choice["function"]["name"]
+    if chat_template and "<function=" in chat_template:
+        return f"{OPEN}\n<function={name}>\n"
+    return f'{OPEN}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
+
+
+def close_thinking(prompt: str) -> str:
+    """What a prompt whose generation prompt opened a thinking block (Qwen3.5, thinking on) needs
+    before a forced call: the block closed empty, as the templates write it with thinking off, so
+    the call is the answer rather than part of the thought."""
+    return "\n</think>\n\n" if prompt.endswith("<think>\n") else ""
+
+
+def split_tool_calls(text: str, tools=None, opening: str = "") -> tuple[str | None, list[dict]]:
+    """(content or None, tool calls) of a whole response that started with `opening`."""
+    s = ToolCallStream(tools, opening)
     content, _ = s.push(text)
     rest, _ = s.flush()
     content += rest

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 SEED_LIMIT = 2**32  # the sampler's key is a uint32; -1 means "random"
 TOP_K_LIMIT = 2**31  # an int32 on the device
@@ -162,11 +162,23 @@ class ChatCompletionRequest(SamplingFields):
 
     @field_validator("tool_choice")
     @classmethod
-    def _tool_choice(cls, v):
-        if v == "required" or isinstance(v, dict):
-            raise ValueError("only tool_choice 'auto' and 'none' are supported (forcing a call needs "
-                             "constrained decoding, which this server does not do)")
-        return v
+    def _tool_choice(cls, v, info: ValidationInfo):
+        """A "required" or named tool_choice needs tools, and a named one must be among them (the
+        server forces the call's opening: openai_format.forced_tool_opening)."""
+        if v in (None, "none", "auto"):
+            return v
+        names = [t.function.name for t in info.data.get("tools") or ()]
+        if not names:
+            raise ValueError("tool_choice 'required' or a function needs tools")
+        if v == "required":
+            return v
+        function = v.get("function") if v.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str):
+            raise ValueError('a named tool_choice is {"type": "function", "function": {"name": ...}}')
+        if name not in names:
+            raise ValueError(f"the function '{name}' is not among the tools")
+        return {"type": "function", "function": {"name": name}}
 
 
 class CompletionRequest(SamplingFields):

@@ -3,7 +3,7 @@
 Names follow the source layout: `model.language_model.` for the multimodal Qwen3.5 wrappers
 (`cfg.model_type` "qwen3_5" / "qwen3_5_moe"; the vision tower, kept verbatim in
 `params.extra`, is written back as it came), `model.` otherwise, per-expert MoE weights, no `lm_head.weight` when the
-embeddings are tied. Tensors come from the exact inverse transforms of `conversion.names`.
+embeddings are tied. Tensors come from the exact inverse transforms of `hybridjax.conversion.names`.
 
 Streaming: the shard plan (names, dtypes, shapes, offsets) is computed first by running each
 rule's `to_hf` on zero-byte arrays (a numpy dtype of itemsize 0 carries shapes through
@@ -26,9 +26,9 @@ from typing import Callable
 import jax.numpy as jnp
 import numpy as np
 
-from conversion.checkpoint import CheckpointReader, Report, copy_aux_files, staged_dir
-from conversion.hf import _ST_DTYPES, CheckpointError, flat_leaves, leaf_shapes
-from conversion.names import Rule, rules_for
+from hybridjax.conversion.checkpoint import CheckpointReader, Report, copy_aux_files, staged_dir
+from hybridjax.conversion.hf import _ST_DTYPES, CheckpointError, flat_leaves, leaf_shapes
+from hybridjax.conversion.names import Rule, rules_for
 from hybridjax.config import Config, read_json
 from hybridjax.params import FLOAT32_LEAVES, Params
 

@@ -15,9 +15,10 @@ import functools
 import sys
 from pathlib import Path
 
-from conversion.checkpoint import Report, convert_hf
-from conversion.hf import CheckpointError
-from conversion.to_hf import export_hf
+from hybridjax.conversion.checkpoint import Report, convert_hf
+from hybridjax.conversion.hf import CheckpointError
+from hybridjax.conversion.progress import TensorBar
+from hybridjax.conversion.to_hf import export_hf
 from hybridjax.config import ConfigError
 
 DTYPES = ("bfloat16", "float32", "float16")
@@ -42,7 +43,7 @@ def run(args: argparse.Namespace, logits_fn=None) -> int:
     """Run `hybridjax convert`. `logits_fn(cfg, params, tokens [1, T]) -> float32 logits`
     runs the model for --verify; the caller passes it in (conversion sits below the model)."""
     # HF -> checkpoint steps once per param leaf (stacked experts are one), the export once per HF tensor.
-    bar = None if args.quiet else _Progress("tensors" if args.to_hf else "arrays")
+    bar = None if args.quiet else TensorBar("tensors" if args.to_hf else "arrays", "convert")
     try:
         _check_flags(args)
         say = (lambda *a: None) if args.quiet else functools.partial(print, flush=True)
@@ -91,34 +92,6 @@ def _one_line(e: Exception) -> str:
     return " ".join(str(e).split())
 
 
-class _Progress:
-    """tqdm bar over bytes with a count of `unit`s, on stderr; `close` clears a failed bar."""
-
-    def __init__(self, unit: str):
-        self.bar, self.unit = None, unit
-
-    def __call__(self, n_tensors: int, total_bytes: int):
-        from tqdm import tqdm
-
-        self.bar = bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="convert",
-                              file=sys.stderr, dynamic_ncols=True)
-        count = [0]
-
-        def step(nbytes: int) -> None:
-            count[0] += 1
-            bar.set_postfix_str(f"{count[0]}/{n_tensors} {self.unit}", refresh=False)
-            bar.update(nbytes)
-            if count[0] == n_tensors:
-                bar.close()
-
-        return step
-
-    def close(self, failed: bool = False) -> None:
-        if self.bar is not None:
-            self.bar.leave = not failed  # an interrupted bar would only hide the error line
-            self.bar.close()
-
-
 def _summary(r: Report, say) -> None:
     say(f"wrote {r.out}: {r.tensors} tensors, {r.nbytes / 2**20:.1f} MiB, {r.dtype}, in {r.seconds:.1f} s")
     if r.dropped:
@@ -160,7 +133,7 @@ def verify(source: Path, result: Path, to_hf: bool, logits_fn) -> int:
         raise CheckpointError("--verify needs the model: run it as `hybridjax convert ... --verify`")
     import numpy as np
 
-    from conversion.checkpoint import load
+    from hybridjax.conversion.checkpoint import load
 
     cfg, ref_params = load(source, dtype="float32")
     tokens = ((np.arange(VERIFY_TOKENS) * 7919 + 11) % cfg.vocab_size).astype(np.int32)[None]

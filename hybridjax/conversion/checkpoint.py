@@ -32,8 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from conversion.hf import (CheckpointError, assemble, flat_leaves, has_mtp, leaf_shapes, load_hf, open_hf, path_str,
+from hybridjax.conversion.hf import (CheckpointError, assemble, flat_leaves, has_mtp, leaf_shapes, load_hf, open_hf, path_str,
                            read_params)
+from hybridjax.conversion.progress import Progress, TensorBar, load_progress
 from hybridjax.config import Config, load_config, read_json
 from hybridjax.params import FLOAT32_LEAVES, Params, is_shape, param_shapes
 
@@ -182,14 +183,21 @@ class CheckpointReader:
         self.target = abstract_params(self.cfg, self.dtype, self.info["extra"], has_mtp(self.info["shapes"]), mesh)
         self._ckpt = _checkpointer()
 
-    def restore(self) -> Params:
+    def restore(self, progress: Progress | None = None) -> Params:
         """Every param as a device array. Restored as host arrays a layer or so at a time and
         placed one by one, so the transient beyond the model stays near one layer (orbax's own
-        full restore holds a host copy of everything: measured 1.7x the model, this ~1.35x)."""
+        full restore holds a host copy of everything: measured 1.7x the model, this ~1.35x).
+        `progress(steps, total_bytes)` returns a callback taking the bytes of each leaf restored."""
         leaves: dict[str, jax.Array] = {}
+        targets = jax.tree_util.tree_leaves(self.target)
+        step = progress(len(targets), sum(x.size * x.dtype.itemsize for x in targets)) if progress else None
         for item in self._batches():
-            leaves.update(self.sharded(item) if self.mesh is not None else
-                          {path: jax.device_put(x) for path, x in self.host(item).items()})
+            got = (self.sharded(item) if self.mesh is not None else
+                   {path: jax.device_put(x) for path, x in self.host(item).items()})
+            leaves.update(got)
+            if step:
+                for x in got.values():
+                    step(x.nbytes)
         extra = {p.split(".", 1)[1]: leaves.pop(p) for p in list(leaves) if p.startswith("extra.")}
         return assemble(self.cfg, leaves, extra).replace(mesh=self.mesh)
 
@@ -265,11 +273,12 @@ class CheckpointReader:
             raise CheckpointError(f"{self.params_dir}: cannot restore the params ({' '.join(str(e).split())[:500]})") from None
 
 
-def load_checkpoint(path: str | Path, dtype=None, mesh=None) -> tuple[Config, Params]:
+def load_checkpoint(path: str | Path, dtype=None, mesh=None, progress=None) -> tuple[Config, Params]:
     """(Config, Params) from a converted checkpoint; `dtype` None keeps the stored dtype; `mesh`:
-    restored onto the mesh by `hybridjax.sharding.RULES`, shard by shard."""
+    restored onto the mesh by `hybridjax.sharding.RULES`, shard by shard; `progress` as in
+    `CheckpointReader.restore`."""
     reader = CheckpointReader(path, dtype, mesh)
-    return reader.cfg, reader.restore()
+    return reader.cfg, reader.restore(progress)
 
 
 def save_checkpoint(
@@ -351,12 +360,11 @@ def convert_hf(
     with open_hf(hf_dir) as src:
         stored, total = src.stored_dtype(), src.nbytes()
         n_tensors = sum(len(r.hf) for r in src.rules) + len(src.kept)
-        n_leaves = sum(len(r.params) for r in src.rules) + len(src.kept)  # progress steps: one per param leaf
         dropped, kept, cfg = src.dropped, src.kept, src.cfg
         gate_names = [n for r in src.rules for p, n in zip(r.params, r.hf) if p.rsplit(".", 1)[-1] in FLOAT32_LEAVES]
         gate_src = src.reader.dtype(gate_names[0]) if gate_names else np.dtype("float32")
         target = jnp.dtype(stored if dtype is None else dtype)
-        params = read_params(src, target, progress(n_leaves, total) if progress else None)
+        params = read_params(src, target, progress(src.n_leaves, total) if progress else None)
     # Write the gates back as the source stored them when it stored them in the model dtype.
     gate_hf = target if gate_src == target else jnp.dtype("float32")
     source = {"path": str(hf_dir.absolute()), "model_type": cfg.model_type, "dtype": np.dtype(stored).name,
@@ -368,15 +376,23 @@ def convert_hf(
 # --- either kind ------------------------------------------------------------------------
 
 
-def load(path: str | Path, dtype=None, mesh=None) -> tuple[Config, Params]:
+def load(path: str | Path, dtype=None, mesh=None, progress: bool | Progress | None = None) -> tuple[Config, Params]:
     """(Config, Params) from an HF model directory or a converted checkpoint.
 
     dtype None keeps the stored dtype (an HF directory's: that of its embedding table).
     mesh: place the params on a device mesh as they are read (`hybridjax.sharding`).
+    progress: a tqdm bar on stderr (tensors and bytes) if True, or None and stderr is a terminal;
+    none if False; or a factory `progress(steps, total_bytes) -> callback(nbytes)`.
     """
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"model directory not found: {path}")
-    if is_checkpoint(path):
-        return load_checkpoint(path, dtype=dtype, mesh=mesh)
-    return load_hf(path, dtype=dtype, mesh=mesh)
+    factory = load_progress(progress)
+    try:
+        if is_checkpoint(path):
+            return load_checkpoint(path, dtype=dtype, mesh=mesh, progress=factory)
+        return load_hf(path, dtype=dtype, mesh=mesh, progress=factory)
+    except BaseException:
+        if isinstance(factory, TensorBar):
+            factory.close(failed=True)
+        raise

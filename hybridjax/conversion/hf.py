@@ -1,7 +1,7 @@
 """Load a Hugging Face model directory (config.json + safetensors) into hybridjax Params.
 
 Tensors are read lazily, one at a time, through memory-mapped safetensors files, transformed
-by the rules of `conversion.names`, shape-checked, cast and placed on device, so peak host
+by the rules of `hybridjax.conversion.names`, shape-checked, cast and placed on device, so peak host
 memory stays near one tensor beyond the loaded model. Every problem with the checkpoint
 (missing shard, missing / unexpected / mis-shaped tensors) is reported in one message.
 """
@@ -20,7 +20,8 @@ import ml_dtypes  # noqa: F401  registers bfloat16 / float8 with numpy
 import numpy as np
 from safetensors import safe_open
 
-from conversion.names import KEPT_PREFIXES, MTP_PREFIX, Rule, rules_for
+from hybridjax.conversion.names import KEPT_PREFIXES, MTP_PREFIX, Rule, rules_for
+from hybridjax.conversion.progress import Progress
 from hybridjax.config import Config, load_config, read_json
 from hybridjax.params import FLOAT32_LEAVES, Params, is_shape, param_shapes
 
@@ -208,6 +209,12 @@ class HFSource:
         """The dtype of the embedding table, taken as the checkpoint's dtype."""
         return self.reader.dtype(self.rules[0].hf[0])
 
+    @property
+    def n_leaves(self) -> int:
+        """Param leaves that loading produces (a stack of experts is one), kept tensors included:
+        the steps of a progress callback."""
+        return sum(len(r.params) for r in self.rules) + len(self.kept)
+
     def nbytes(self) -> int:
         """Bytes that loading reads: every rule's tensors plus the kept ones."""
         return sum(self.reader.nbytes(n) for r in self.rules for n in r.hf) + sum(map(self.reader.nbytes, self.kept))
@@ -236,21 +243,23 @@ def open_hf(model_dir: str | Path) -> HFSource:
     return HFSource(cfg, rules, reader, names)
 
 
-def load_hf(model_dir: str | Path, dtype="float32", progress: Callable[[int], None] | None = None,
+def load_hf(model_dir: str | Path, dtype="float32", progress: Progress | None = None,
             mesh=None) -> tuple[Config, Params]:
     """Read an HF model directory into (Config, Params), casting weights to `dtype`
     (None: the checkpoint's own dtype).
 
     The gate parameters (A_log, dt_bias) stay float32. `mtp.*` tensors, when present, load into
     `params.mtp`; vision-tower tensors of multimodal checkpoints are skipped.
-    `progress(nbytes)`, if given, is called after each tensor is read.
+    `progress(steps, total_bytes)` (`hybridjax.conversion.progress`), if given, returns a callback
+    taking the bytes of each param leaf read.
     `mesh`: place each param on the mesh by `hybridjax.sharding.RULES` as it is read, each device
     receiving only its shard (see `read_params_sharded`).
     """
     with open_hf(model_dir) as src:
+        step = progress(src.n_leaves, src.nbytes()) if progress else None
         if mesh is not None:
-            return src.cfg, read_params_sharded(src, mesh, dtype, progress)
-        return src.cfg, read_params(src, dtype, progress)
+            return src.cfg, read_params_sharded(src, mesh, dtype, step)
+        return src.cfg, read_params(src, dtype, step)
 
 
 def _leaf_dtype(path: str, dtype) -> np.dtype:
