@@ -3,6 +3,7 @@ and without the CPU kernel (hybridjax.cpu_kernels), optionally beside llama.cpp'
 
     python benchmarks/bench_cpu_decode.py [--quick] [--model-dir DIR] [--repeats 5]
         [--prompt 128] [--new-tokens 128] [--modes f32-xla,f32-kernel,bf16-kernel]
+        [--step-rounds 20] [--agree-prompts 4]
         [--llama-bench PATH --gguf F32.gguf --gguf BF16.gguf] [--json OUT]
 
 One process, one model (the random Qwen3.5 of bench_generate.py: hidden 1024, 12 layers 3:1,
@@ -20,6 +21,10 @@ vocab 32000, untied head, 228 M params; built once into --model-dir if absent). 
              bf16-xla     bfloat16 weights, XLA's dots (very slow: opt in with --modes)
              *-kernel-1t  the kernel on one thread per call (what sharing columns buys)
            Modes alternate round by round, so load drift hits all alike; medians are shown.
+  steps    with --step-rounds R: single decode steps (the donating jitted step), modes
+           interleaved 4 steps at a time for R rounds, the bound's matvec timed in the same
+           rounds; ms/step at the 10th percentile and the median, each against the bound taken
+           at the same percentile.
   accuracy bfloat16 against float32 (both with the kernel), over --agree-prompts prompts (default
            4, random tokens, lengths P, P+1, ...), teacher-forced on float32's greedy tokens:
            max |logit diff| / max |logit|, and how often the argmax differs (a bf16 near-tie
