@@ -3,6 +3,7 @@ and without the CPU kernel (hybridjax.cpu_kernels), optionally beside llama.cpp'
 
     python benchmarks/bench_cpu_decode.py [--quick] [--model-dir DIR] [--repeats 5]
         [--prompt 128] [--new-tokens 128] [--modes f32-xla,f32-kernel,bf16-kernel]
+        [--step-rounds 20] [--agree-prompts 4]
         [--llama-bench PATH --gguf F32.gguf --gguf BF16.gguf] [--json OUT]
 
 One process, one model (the random Qwen3.5 of bench_generate.py: hidden 1024, 12 layers 3:1,
@@ -20,10 +21,15 @@ vocab 32000, untied head, 228 M params; built once into --model-dir if absent). 
              bf16-xla     bfloat16 weights, XLA's dots (very slow: opt in with --modes)
              *-kernel-1t  the kernel on one thread per call (what sharing columns buys)
            Modes alternate round by round, so load drift hits all alike; medians are shown.
-  accuracy bfloat16 against float32 (both with the kernel), teacher-forced on float32's greedy
-           tokens: max |logit diff| / max |logit|, and how often the argmax differs (a bf16
-           near-tie flip), with the float32 top-1 / top-2 margins where it does; then free
-           running greedy: leading tokens equal.
+  steps    with --step-rounds R: single decode steps (the donating jitted step), modes
+           interleaved 4 steps at a time for R rounds, the bound's matvec timed in the same
+           rounds; ms/step at the 10th percentile and the median, each against the bound taken
+           at the same percentile.
+  accuracy bfloat16 against float32 (both with the kernel), over --agree-prompts prompts (default
+           4, random tokens, lengths P, P+1, ...), teacher-forced on float32's greedy tokens:
+           max |logit diff| / max |logit|, and how often the argmax differs (a bf16 near-tie
+           flip), with the float32 top-1 / top-2 margins where it does; then free-running
+           greedy: leading tokens equal, per prompt.
   llama    with --llama-bench and --gguf (repeatable): `llama-bench -p 0 -n 128 -d 128 -t 2 -r 3`,
            run after our timings, in the same process tree, tok/s (avg +- stdev).
 
@@ -129,6 +135,11 @@ class Mode:
         self.step_jit = jax.jit(functools.partial(hg._decode.__wrapped__ if hasattr(hg._decode, "__wrapped__")
                                                   else hg._decode), static_argnames="cfg")
 
+    def patched(self):  # a context for tracing; bench_kernel_ab swaps the kernel's call in it
+        import contextlib
+
+        return contextlib.nullcontext()
+
     def _env(self):  # read when a function is first traced, so set before every call
         os.environ["HYBRIDJAX_CPU_KERNELS"] = "1" if self.use_kernel else "0"
         os.environ["HYBRIDJAX_CPU_THREADS"] = str(self.threads)
@@ -180,6 +191,69 @@ def run_decode(a, modes: dict, prompt) -> dict:
     return out
 
 
+def step_times(modes: dict, prompt, rounds: int, steps: int, bound_size: int) -> dict:
+    """Single decode steps (the donating jitted step, batch 1, after the prompt), modes interleaved
+    `steps` at a time for `rounds` rounds, with the bound's one-row float32 matvec (XLA, two
+    bound_size^2 weights alternated) timed in the same rounds. Returns seconds per call, all of
+    them. Each step ends in a host sync (argmax, block_until_ready), which `generate`'s
+    while_loop does not have: on a loaded machine every sync waits for the scheduler, a fixed
+    cost per step that shrinks the bf16 / f32 ratio; `generate`'s figures are the decode speed."""
+    import jax
+    import jax.numpy as jnp
+
+    from hybridjax.cache import init_cache
+
+    state = {}
+    for name, m in modes.items():
+        m._env()
+        step = jax.jit(functools.partial(m.hg._decode.__wrapped__ if hasattr(m.hg._decode, "__wrapped__")
+                                         else m.hg._decode, cfg=m.cfg), donate_argnames="cache")
+        with m.patched():
+            cache = init_cache(m.cfg, 1, len(prompt) + rounds * steps + 16, capacity=len(prompt) + rounds * steps + 16)
+            logits, cache = m.hg.prefill(m.params, np.asarray([prompt], np.int32), cache, m.cfg)
+            tok = jnp.argmax(logits, -1).astype(jnp.int32)
+            logits, cache = step(m.params, tok, jnp.ones((1,), bool), cache)  # compiles under this mode
+        state[name] = [step, jnp.argmax(logits, -1).astype(jnp.int32), cache]
+    rng = np.random.default_rng(0)
+    ws = [jnp.asarray(rng.standard_normal((bound_size, bound_size), np.float32)) for _ in range(2)]
+    xv = jnp.asarray(rng.standard_normal((1, bound_size), np.float32))
+    mv = jax.jit(lambda x, w: jnp.dot(x, w))
+    jax.block_until_ready(mv(xv, ws[0]))
+    out = {name: [] for name in modes}
+    out["bound matvec"] = []
+    active = jnp.ones((1,), bool)
+    for r in range(rounds):
+        for name, m in modes.items():
+            step, tok, cache = state[name]
+            m._env()
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                logits, cache = step(m.params, tok, active, cache)
+                tok = jnp.argmax(logits, -1).astype(jnp.int32)
+                jax.block_until_ready(tok)
+                out[name].append(time.perf_counter() - t0)
+            state[name][1:] = [tok, cache]
+            t0 = time.perf_counter()
+            jax.block_until_ready(mv(xv, ws[r % 2]))
+            out["bound matvec"].append(time.perf_counter() - t0)
+    out["bound_bytes"] = ws[0].nbytes
+    return out
+
+
+def accuracy_over_prompts(f32: Mode, bf16: Mode, prompts, n: int) -> dict:
+    """`accuracy` for each prompt, pooled: flips over all teacher-forced steps, the worst error."""
+    per = [accuracy(f32, bf16, p, n) for p in prompts]
+    margins = [m for r in per for m in r["flip_margins"]]
+    return {
+        "prompts": len(per), "steps": sum(r["steps"] for r in per), "flips": sum(r["flips"] for r in per),
+        "flip_margins": sorted(margins), "max_rel_err": max(r["max_rel_err"] for r in per),
+        "median_rel_err": float(np.median([r["median_rel_err"] for r in per])),
+        "max_abs_err": max(r["max_abs_err"] for r in per), "logit_range": max(r["logit_range"] for r in per),
+        "median_margin": float(np.median([r["median_margin"] for r in per])),
+        "free_running_equal_prefix": [r["free_running_equal_prefix"] for r in per], "n": n, "per_prompt": per,
+    }
+
+
 def accuracy(f32: Mode, bf16: Mode, prompt, n: int) -> dict:
     ref_tokens = f32.generate(prompt, n).token_lists()[0]
     bf_tokens = bf16.generate(prompt, n).token_lists()[0]
@@ -196,6 +270,26 @@ def accuracy(f32: Mode, bf16: Mode, prompt, n: int) -> dict:
         "steps": len(lf), "flips": len(flips), "flip_margins": margin[flips].tolist(),
         "median_margin": float(np.median(margin)), "free_running_equal_prefix": lead, "n": n,
     }
+
+
+def print_step_table(steps: dict, wbytes: dict, f32_bytes: int) -> None:
+    """Per-step figures at the 10th percentile of time (fast: both cores ours) and the median;
+    the bound's matvec the same way (its 10th percentile of time: its 90th of bandwidth)."""
+    bw = {q: steps["bound_bytes"] / np.percentile(steps["bound matvec"], q) / 1e9 for q in (10, 50)}
+    bound = {q: bw[q] * 1e9 / f32_bytes for q in (10, 50)}
+    modes = [k for k in steps if k not in ("bound matvec", "bound_bytes")]
+    rounds = len(steps["bound matvec"]) // max(len(modes), 1)
+    print(f"\nsingle decode steps, modes interleaved ({rounds} rounds of 4 steps per mode; the bound's float32 "
+          f"matvec timed once per mode per round): XLA matvec {bw[10]:.1f} GB/s (p10 of time), "
+          f"{bw[50]:.1f} GB/s (median): bound {bound[10]:.1f} / {bound[50]:.1f} tok/s\n")
+    print("| mode | ms/step p10 | ms/step median | tok/s p10 | x bound (p10 / p10) | x bound (median / median) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, t in steps.items():
+        if name in ("bound matvec", "bound_bytes"):
+            continue
+        p10, p50 = np.percentile(t, 10), np.percentile(t, 50)
+        print(f"| {name} | {1e3 * p10:.2f} | {1e3 * p50:.2f} | {1 / p10:.1f} | {1 / p10 / bound[10]:.2f} | "
+              f"{1 / p50 / bound[50]:.2f} |")
 
 
 # --- llama.cpp ------------------------------------------------------------------------------
@@ -222,6 +316,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--modes", default="f32-xla,f32-kernel,bf16-kernel")
+    ap.add_argument("--agree-prompts", type=int, default=4, help="prompts for the bf16 vs f32 token agreement")
+    ap.add_argument("--step-rounds", type=int, default=0,
+                    help="also time single decode steps, modes interleaved, this many rounds of 4 steps each")
     ap.add_argument("--llama-bench", help="path of llama.cpp's llama-bench")
     ap.add_argument("--gguf", action="append", default=[], help="GGUF of the same weights (repeatable)")
     ap.add_argument("--threads", type=int, default=2, help="llama-bench threads")
@@ -270,9 +367,12 @@ def main(argv=None) -> int:
     prompt = bench_generate.prompt_tokens(a.prompt).tolist()
     print(f"decode, {len(modes)} modes x {a.repeats} rounds ...", file=sys.stderr, flush=True)
     dec = run_decode(a, modes, prompt)
+    steps = step_times(modes, prompt, a.step_rounds, 4, 4096 if a.quick else 8192) if a.step_rounds else None
     acc = None
     if "f32-kernel" in modes and "bf16-kernel" in modes:
-        acc = accuracy(modes["f32-kernel"], modes["bf16-kernel"], prompt, a.new_tokens)
+        prompts = [prompt] + [bench_generate.prompt_tokens(a.prompt + i).tolist() for i in range(1, a.agree_prompts)]
+        print(f"bf16 vs f32 agreement over {len(prompts)} prompts ...", file=sys.stderr, flush=True)
+        acc = accuracy_over_prompts(modes["f32-kernel"], modes["bf16-kernel"], prompts, a.new_tokens)
     llama = [llama_bench(a.llama_bench, g, a.threads, a.new_tokens, a.prompt) for g in a.gguf] if a.llama_bench else []
     load1 = loadavg()
 
@@ -302,19 +402,22 @@ def main(argv=None) -> int:
         rel = f"{r['tok_s'] / base:.2f}x" if base else "-"
         print(f"| llama.cpp {Path(r['gguf']).name} | {r['tok_s']:.1f} +- {r['stdev']:.1f} | "
               f"{1e3 / r['tok_s']:.2f} | - | {r['tok_s'] / bound_tok_s:.2f} | {rel} |")
+    if steps:
+        print_step_table(steps, wbytes, f32_bytes)
     if acc:
-        print(f"\nbfloat16 vs float32 logits (kernel, teacher-forced on float32's greedy tokens, {acc['steps']} "
-              f"steps): max |diff| {acc['max_abs_err']:.3f} of max |logit| {acc['logit_range']:.2f} "
-              f"(rel {acc['max_rel_err']:.4f}, median rel {acc['median_rel_err']:.4f}); argmax differs at "
-              f"{acc['flips']}/{acc['steps']} steps, float32 top-1/top-2 margins there: "
+        print(f"\nbfloat16 vs float32 logits (kernel, teacher-forced on float32's greedy tokens, {acc['prompts']} "
+              f"prompts, {acc['steps']} steps): max |diff| {acc['max_abs_err']:.3f} of max |logit| "
+              f"{acc['logit_range']:.2f} (rel {acc['max_rel_err']:.4f}, median rel {acc['median_rel_err']:.4f}); "
+              f"argmax differs at {acc['flips']}/{acc['steps']} steps, float32 top-1/top-2 margins there: "
               f"{', '.join(f'{m:.3f}' for m in acc['flip_margins']) or '-'} (median margin {acc['median_margin']:.3f}); "
-              f"free-running greedy: {acc['free_running_equal_prefix']}/{acc['n']} leading tokens equal")
+              f"free-running greedy, leading tokens equal per prompt: "
+              f"{', '.join(str(x) for x in acc['free_running_equal_prefix'])} of {acc['n']}")
     if max(os.getloadavg()) > (os.cpu_count() or 1):
         print("WARNING: the load average exceeded the core count: other processes shared the CPU; "
               "re-run on an idle machine before quoting absolute figures.")
     if a.json:
         Path(a.json).write_text(json.dumps({"bandwidth": bw, "bytes": wbytes, "bound_tok_s": bound_tok_s,
-                                            "decode": dec, "accuracy": acc, "llama": llama,
+                                            "decode": dec, "accuracy": acc, "llama": llama, "steps": steps,
                                             "load": [load0, load1]}, indent=1))
     tmp.cleanup()
     return 0

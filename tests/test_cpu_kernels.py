@@ -115,6 +115,58 @@ def test_transposed_weight(isa, wdtype):
             assert_close(f(x, w, scale), x, w_kn, split)
 
 
+# (rows, K, N, k_slices): slices that do not divide K, an odd K (a bf16 pair at a slice's end),
+# slices shorter than a row block, more slices asked for than K has 16-row blocks.
+SLICED = [(1, 1001, 37, 3), (3, 257, 33, 5), (8, 64, 100, 4), (5, 33, 16, 9)]
+
+
+@pytest.mark.parametrize("isa", cpu_kernels.ISAS)
+@pytest.mark.parametrize("wdtype", ["float32", "bfloat16", "int8"])
+def test_k_slices_match_jnp_dot(isa, wdtype):
+    """K cut into slices whose partial sums the caller adds (narrow weights): every path, with
+    and without column tiles, rows 1-8."""
+    need(isa)
+    rng = np.random.default_rng(5)
+    for i, (r, k, n, slices) in enumerate(SLICED):
+        w, scale, w_kn = make_w(rng, k, n, wdtype)
+        f = jax.jit(functools.partial(cpu_kernels.matmul, isa=isa, tile_cols=32 * (i % 2), k_slices=slices))
+        for xdtype in ("float32", "bfloat16"):
+            x = jnp.asarray(rng.standard_normal((r, k)), xdtype)
+            split = isa == "avx512bf16" and wdtype == "bfloat16" and xdtype == "float32"
+            assert_close(f(x, w, scale), x, w_kn, split)
+
+
+def test_auto_plan_slices_narrow_weights_and_ignores_the_threads():
+    """A weight of >= 256 KB with few columns is cut along K by default (four items). The plan
+    depends on the shape only, so one thread and the pool give bitwise the same result, and a
+    row's result does not depend on the other rows; vmap and while_loop see the same."""
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.standard_normal((8, 1001)), jnp.float32)
+    for wdtype in ("float32", "bfloat16"):
+        w = jnp.asarray(rng.standard_normal((1001, 300)), wdtype)  # 0.6-1.2 MB, N < 1024: 4 slices
+        wf = w.astype(jnp.float32)
+        for isa in paths_here():
+            split = isa == "avx512bf16" and wdtype == "bfloat16"
+            pool = np.asarray(cpu_kernels.matmul(x, w, isa=isa))
+            assert_close(pool, x, wf, split)
+            one = np.asarray(cpu_kernels.matmul(x, w, isa=isa, max_threads=1))
+            np.testing.assert_array_equal(one, pool, err_msg=f"{wdtype} {isa} threads")
+            for rows in (1, 3):
+                part = np.asarray(cpu_kernels.matmul(x[:rows], w, isa=isa))
+                np.testing.assert_array_equal(part, pool[:rows], err_msg=f"{wdtype} {isa} {rows} rows")
+        # vmap over rows (folded into one pass over w) and a while_loop carrying the rows
+        vm = jax.jit(jax.vmap(cpu_kernels.matmul, (0, None)))(x[:, None], w)[:, 0]
+        np.testing.assert_array_equal(np.asarray(vm), np.asarray(cpu_kernels.matmul(x, w)))
+        w_sq = jnp.asarray(rng.standard_normal((1001, 1001)) * 0.03, wdtype)
+
+        def loop(mm):
+            body = lambda c: (c[0] + 1, jnp.tanh(mm(c[1], w_sq)))  # noqa: E731
+            return jax.jit(lambda v: jax.lax.while_loop(lambda c: c[0] < 3, body, (0, v))[1])(x[:2])
+
+        ref = loop(lambda a, b: jnp.dot(a, b.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST))
+        np.testing.assert_allclose(np.asarray(loop(cpu_kernels.matmul)), np.asarray(ref), rtol=1e-4, atol=1e-4)
+
+
 def test_the_best_path_follows_the_cpu_flags():
     """cpuid in the kernel agrees with what the kernel reports to /proc/cpuinfo (Linux, x86)."""
     flags = cpu_flags()

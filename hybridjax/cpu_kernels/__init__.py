@@ -12,7 +12,8 @@ XLA:CPU's one-row dots reach only part of it (bfloat16 ones ~2 GB/s: docs/archit
 The kernel (matmul.cc) streams the weight in hybridjax's own `[in, out]` layout, so nothing is
 packed at load time and prefill keeps reading the same arrays with XLA's matmuls. Its paths,
 picked from cpuid at run time: "avx512bf16" (vdpbf16ps, bfloat16 weights), "avx512", "avx2",
-"scalar". Output columns are shared out over XLA's intra-op threads.
+"scalar". Work items (column tiles, and slices of K for narrow weights) are shared out over
+XLA's intra-op threads.
 
 The extension is a small C++ library built when the package is installed (setup.py, against
 `jax.ffi.include_dir()`). If it is missing or fails to load, `available()` is False, a
@@ -47,9 +48,10 @@ TARGET_INDEXED = "hybridjax_cpu_matmul_indexed"
 # Rows up to which `dense` prefers the kernel (the engine's decode slots); prefill, with more
 # rows, keeps XLA's matmuls, which are compute-bound there and fast.
 MAX_ROWS = 8
-# Output columns per work item (rounded to whole 32-column chunks); 0: the kernel picks about
-# two per thread, at least 512 (long row segments stream best).
+# Output columns per work item (rounded to whole 32-column chunks) and slices of K; 0: the
+# kernel picks from the shape (about four items per weight, tiles >= 1024 columns wide).
 TILE_COLS = 0
+K_SLICES = 0
 WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)
 
 
@@ -143,27 +145,27 @@ def _isa_code(isa: str | None) -> int:
     return ISAS.index(isa)
 
 
-def _call(x, w, scale, isa, max_threads, tile_cols, transposed):
+def _call(x, w, scale, isa, max_threads, tile_cols, k_slices, transposed):
     out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[-2] if transposed else w.shape[-1],), jnp.float32)
     # expand_dims: a vmapped operand arrives with a leading batch axis, an unbatched one with
     # a leading 1; the kernel broadcasts size-1 axes and folds a shared weight's rows together.
     call = jax.ffi.ffi_call(TARGET, out, vmap_method="expand_dims")
     args = (x, w) if scale is None else (x, w, scale)
     return call(*args, isa=np.int64(isa), max_threads=np.int64(max_threads), tile_cols=np.int64(tile_cols),
-                transposed=bool(transposed))
+                k_slices=np.int64(k_slices), transposed=bool(transposed))
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5, 6))
-def _matmul(x, w, scale, isa, max_threads, tile_cols, transposed):
-    return _call(x, w, scale, isa, max_threads, tile_cols, transposed)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _matmul(x, w, scale, isa, max_threads, tile_cols, k_slices, transposed):
+    return _call(x, w, scale, isa, max_threads, tile_cols, k_slices, transposed)
 
 
 @_matmul.defjvp
-def _matmul_jvp(isa, max_threads, tile_cols, transposed, primals, tangents):
+def _matmul_jvp(isa, max_threads, tile_cols, k_slices, transposed, primals, tangents):
     # Linear in x and w: the tangent goes through XLA's dot (so it transposes for grad).
     x, w, scale = primals
     dx, dw, dscale = tangents
-    y = _matmul(x, w, scale, isa, max_threads, tile_cols, transposed)
+    y = _matmul(x, w, scale, isa, max_threads, tile_cols, k_slices, transposed)
 
     def as_kn(a):  # [.., K, N] float32
         a = a.astype(jnp.float32)
@@ -178,7 +180,7 @@ def _matmul_jvp(isa, max_threads, tile_cols, transposed, primals, tangents):
 
 
 def matmul(x, w, scale=None, *, transposed: bool = False, isa: str | None = None,
-           max_threads: int | None = None, tile_cols: int = TILE_COLS):
+           max_threads: int | None = None, tile_cols: int = TILE_COLS, k_slices: int = K_SLICES):
     """x [..., R, K] (float32 | bfloat16) @ w [K, N] -> [..., R, N] float32, on the CPU kernel.
 
     w is float32, bfloat16, or int8 with `scale` [N] float32 (y = (x @ w) * scale).
@@ -186,7 +188,8 @@ def matmul(x, w, scale=None, *, transposed: bool = False, isa: str | None = None
     isa: cap the path ("scalar", "avx2", "avx512", "avx512bf16"; default HYBRIDJAX_CPU_ISA or
     the best this CPU has); asking for more than the CPU has fails at run time.
     max_threads: threads per call (default HYBRIDJAX_CPU_THREADS or XLA's pool; 0 = pool).
-    tile_cols: output columns per work item (0: about two per thread; tests use small ones).
+    tile_cols, k_slices: output columns per work item and slices of K (0: chosen from the
+    shape; tests force small tiles and several slices to reach every edge).
     Works under jit, vmap (any operand) and inside loops; only lowers for CPU.
     """
     if not available():
@@ -213,7 +216,7 @@ def matmul(x, w, scale=None, *, transposed: bool = False, isa: str | None = None
     w = w.reshape((1,) * len(lead) + w.shape)  # [1.., K, N]: same rank as x
     if scale is not None:
         scale = scale.reshape((1,) * len(lead) + scale.shape)
-    return _matmul(x, w, scale, _isa_code(isa), int(max_threads), int(tile_cols), bool(transposed))
+    return _matmul(x, w, scale, _isa_code(isa), int(max_threads), int(tile_cols), int(k_slices), bool(transposed))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5))
@@ -222,7 +225,7 @@ def _matmul_indexed(x, w, index, isa, max_threads, transposed):
     out = jax.ShapeDtypeStruct(x.shape[:-1] + (n,), jnp.float32)
     call = jax.ffi.ffi_call(TARGET_INDEXED, out, vmap_method="sequential")
     return call(x, w, index, isa=np.int64(isa), max_threads=np.int64(max_threads), tile_cols=np.int64(0),
-                transposed=bool(transposed))
+                k_slices=np.int64(0), transposed=bool(transposed))
 
 
 @_matmul_indexed.defjvp
