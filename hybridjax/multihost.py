@@ -192,6 +192,7 @@ class StepLeader:
         self._handle_of: dict[int, int] = {}  # id(device array) -> its number on the followers
         self._released: collections.deque = collections.deque()  # numbers to release (finalizers append)
         self._next = 0
+        self.calls = 0
         self.closed = False
         for name in REPLAYED:
             setattr(self, name, functools.partial(self._call, name))
@@ -206,6 +207,7 @@ class StepLeader:
             (wire_args, args), (wire_kwargs, kwargs) = _encode(args, self._handle_of), _encode(kwargs, self._handle_of)
             self._broadcast((released, name, wire_args, wire_kwargs))
             out = getattr(steps, name)(*args, **kwargs)
+            self.calls += 1
             if name == KEPT:
                 for leaf in jax.tree_util.tree_leaves(out):
                     self._keep(leaf)
@@ -238,9 +240,12 @@ class StepLeader:
             if self.closed:
                 return
             self.closed = True
+            released = []
+            while self._released:
+                released.append(self._released.popleft())
             for conn in self._conns:
                 try:
-                    _send(conn, _STOP)
+                    _send(conn, (_STOP, released))
                     conn.shutdown(socket.SHUT_WR)
                     conn.settimeout(30)
                     _recv(conn)  # the follower closes its end once it has drained its steps
@@ -322,42 +327,59 @@ def connect(host: str, cfg: Config, params: Params, timeout: float = 300.0) -> s
     return sock
 
 
+class Follower:
+    """A follower's replay state: its engine state, and the row states process 0 still names."""
+
+    def __init__(self, cfg: Config, params: Params):
+        self._own = {"P": params, "C": cfg, "M": params.mesh}
+        self.state: steps.EngineState | None = None
+        self.handles: dict[int, jax.Array] = {}
+        self.calls = 0
+        self._numbered = 0
+
+    def replay(self, msg) -> None:
+        """Make one call process 0 described (a step that fails here failed there too: same
+        program, same inputs; process 0 then starts over with `init_state`, replayed like the rest)."""
+        released, name, args, kwargs = msg
+        for n in released:
+            self.handles.pop(n, None)
+        if name not in REPLAYED:
+            raise ChannelError(f"process 0 asked for an unknown step {name!r}")
+        self._own["S"] = self.state
+        try:
+            out = getattr(steps, name)(*_decode(args, self._own, self.handles), **_decode(kwargs, self._own, self.handles))
+        except Exception:
+            log.exception("replayed step %s failed", name)
+            return
+        self.calls += 1
+        new = _new_state(out)
+        self.state = self.state if new is None else new
+        if name == KEPT:
+            for leaf in jax.tree_util.tree_leaves(out):
+                self.handles[self._numbered] = leaf
+                self._numbered += 1
+
+    def run(self, sock: socket.socket) -> int:
+        """Replay until process 0 says stop (0) or the channel breaks (1); closes `sock`."""
+        try:
+            while True:
+                msg = _recv(sock)
+                if msg is None:
+                    log.error("process 0 closed the step channel without a stop")
+                    return 1
+                if msg[0] == _STOP:
+                    for n in msg[1]:
+                        self.handles.pop(n, None)
+                    break
+                self.replay(msg)
+            if self.state is not None:
+                jax.block_until_ready(self.state)  # the last steps complete before this process leaves
+            log.info("follower: replayed %d steps; process 0 stopped", self.calls)
+            return 0
+        finally:
+            sock.close()
+
+
 def follow(cfg: Config, params: Params, sock: socket.socket) -> int:
-    """Replay process 0's steps until it says stop (0) or the channel breaks (1). A step that
-    fails here failed on process 0 too (same program, same inputs), which then starts over
-    with `init_state`, replayed like the rest."""
-    own = {"P": params, "C": cfg, "M": params.mesh}
-    handles: dict[int, jax.Array] = {}
-    state, numbered, calls = None, 0, 0
-    try:
-        while True:
-            msg = _recv(sock)
-            if msg is None:
-                log.error("process 0 closed the step channel without a stop")
-                return 1
-            if msg == _STOP:
-                break
-            released, name, args, kwargs = msg
-            for n in released:
-                handles.pop(n, None)
-            if name not in REPLAYED:
-                raise ChannelError(f"process 0 asked for an unknown step {name!r}")
-            own["S"] = state
-            try:
-                out = getattr(steps, name)(*_decode(args, own, handles), **_decode(kwargs, own, handles))
-            except Exception:
-                log.exception("replayed step %s failed", name)
-                continue
-            calls += 1
-            new = _new_state(out)
-            state = state if new is None else new
-            if name == KEPT:
-                for leaf in jax.tree_util.tree_leaves(out):
-                    handles[numbered] = leaf
-                    numbered += 1
-        if state is not None:
-            jax.block_until_ready(state)  # the last steps complete before this process leaves
-        log.info("follower: replayed %d steps; process 0 stopped", calls)
-        return 0
-    finally:
-        sock.close()
+    """Replay process 0's steps on this process until it says stop (0) or the channel breaks (1)."""
+    return Follower(cfg, params).run(sock)

@@ -141,6 +141,44 @@ def test_two_processes_serve_as_one(tmp_path):
             f.close()
 
 
+def test_a_follower_replays_the_engine_to_the_same_state():
+    """In one process, on one device: an engine whose steps go through a StepLeader over a socket
+    pair, and a Follower in a thread. After the test's requests (exact and prefix hits, and
+    evictions from a two-entry store, whose row states process 0 releases), the follower made
+    every call, its engine state equals the engine's bit for bit, and it holds exactly the row
+    states process 0 still names."""
+    import threading
+
+    import jax
+    import numpy as np
+
+    from hybridjax.default_model import tiny_test_model
+    from hybridjax.engine import Engine, GenerationRequest
+    from hybridjax.multihost import Follower, StepLeader
+    from hybridjax.prefix_cache import SnapshotStore
+
+    cfg, params, tok = tiny_test_model()
+    a, b = socket.socketpair()
+    leader, follower, result = StepLeader([a]), Follower(cfg, params), []
+    thread = threading.Thread(target=lambda: result.append(follower.run(b)), daemon=True)
+    thread.start()
+    store = SnapshotStore("replay", max_entries=2)
+    eng = Engine(cfg, params, tok, store=store, calls=leader, **ENGINE).start()
+    try:
+        for prompt, n, temperature, seed in REQUESTS + [(p, 6, 0.0, 0) for p in ("one", "two", "three")]:
+            eng.generate(GenerationRequest(tok.encode(prompt), max_tokens=n, temperature=temperature, seed=seed),
+                         timeout=300)
+    finally:
+        eng.stop()
+        leader.close()
+        thread.join(timeout=60)
+    assert result == [0]
+    assert store.counters["evictions_entries"] > 0 and leader.calls == follower.calls > 20
+    mine, theirs = jax.tree_util.tree_leaves(eng._state), jax.tree_util.tree_leaves(follower.state)
+    assert len(mine) == len(theirs) and all(np.array_equal(x, y) for x, y in zip(mine, theirs))
+    assert set(follower.handles) == set(leader._handle_of.values()) and follower.handles
+
+
 def test_serve_across_processes_needs_a_mesh(capsys):
     from hybridjax.cli import main
 
