@@ -197,6 +197,11 @@ class StepLeader:
         for name in REPLAYED:
             setattr(self, name, functools.partial(self._call, name))
 
+    def __getattr__(self, name):
+        if name in ("read_pages", "write_pages"):
+            raise ChannelError("saving or loading snapshots is not supported across processes")
+        raise AttributeError(name)
+
     def _call(self, name, *args, **kwargs):
         with self._lock:
             if self.closed:
