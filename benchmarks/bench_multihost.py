@@ -80,8 +80,11 @@ def wait_ready(url: str, procs, timeout: float = 900) -> float:
 
 def complete(url: str, prompt: str, tokens: int) -> tuple[float, int, str]:
     t = time.perf_counter()
-    body = {"model": "m", "prompt": prompt, "max_tokens": tokens, "temperature": 0}
+    name = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    body = {"model": name, "prompt": prompt, "max_tokens": tokens, "temperature": 0}
     r = httpx.post(url + "/v1/completions", json=body, timeout=600).json()
+    if "usage" not in r:
+        raise RuntimeError(f"the server answered {r}")
     return time.perf_counter() - t, r["usage"]["completion_tokens"], r["choices"][0]["text"]
 
 

@@ -289,7 +289,10 @@ def lead(host: str, cfg: Config, params: Params, timeout: float = 300.0) -> Step
                 raise ChannelError(f"{followers - len(conns)} of {followers} followers did not connect "
                                    f"within {timeout:.0f} s") from None
             conn.settimeout(30)
-            hello = _recv(conn)
+            try:
+                hello = _recv(conn)
+            except (OSError, pickle.UnpicklingError, ValueError, EOFError):
+                hello = None
             if not (isinstance(hello, tuple) and len(hello) == 3 and hello[0] == token):
                 conn.close()  # not one of ours
                 continue
