@@ -241,7 +241,10 @@ class Engine:
     def __init__(self, cfg: Config, params: Params, tokenizer: Tokenizer | None, *, slots: int = 4,
                  max_len: int = 4096, store: SnapshotStore | None = None, checkpoint_interval: int = 0,
                  max_queue: int = 64, page_size: int = DEFAULT_PAGE_SIZE, num_pages: int | None = None,
-                 prefill_chunk: int = 256, prefill_rows: int = 4):
+                 prefill_chunk: int = 256, prefill_rows: int = 4, calls=None):
+        """`calls`: where the jitted steps come from, `hybridjax.engine_steps` unless given; every
+        device program the engine runs goes through it (the seam a multi-process server uses to
+        replay process 0's steps on the others: hybridjax.multihost)."""
         if slots < 1 or max_len < 2:
             raise ValueError("engine: slots must be >= 1 and max_len >= 2")
         if prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
@@ -249,6 +252,7 @@ class Engine:
         self.cfg, self.params, self.tokenizer = cfg, params, tokenizer
         self.slots, self.max_len, self.prefill_chunk = slots, max_len, prefill_chunk
         self.store, self.checkpoint_interval, self.max_queue = store, checkpoint_interval, max_queue
+        self.calls = steps if calls is None else calls
         self.pages_per_row = pages_for(max_len, page_size)
         self.pool = PagePool(num_pages or 2 * slots * self.pages_per_row, page_size)
         self.dtype = params.embed.dtype
@@ -271,7 +275,7 @@ class Engine:
         self._reset_device()
 
     def _reset_device(self) -> None:
-        self._state = steps.init_state(self.cfg, self.slots, self.pool.num_pages, self.pool.page_size, self.dtype,
+        self._state = self.calls.init_state(self.cfg, self.slots, self.pool.num_pages, self.pool.page_size, self.dtype,
                                        mesh=self.params.mesh)
         self._table = np.full((self.slots, self.pages_per_row), self.pool.num_pages, np.int32)  # P: no page
 
@@ -381,20 +385,20 @@ class Engine:
         for name, r, t in tqdm(shapes, desc="compiling", unit="program", disable=not progress):
             s = self._state
             if name == "decode":
-                out, s = steps.decode(self.params, s, pad(r), table(r), self.cfg, self.implementation)
+                out, s = self.calls.decode(self.params, s, pad(r), table(r), self.cfg, self.implementation)
             elif name == "sample_first":
-                out, _, s = steps.sample_first(s, pad(r))
+                out, _, s = self.calls.sample_first(s, pad(r))
             elif name == "prefill":
-                out, _, s = steps.prefill_chunk(self.params, s, pad(r), np.zeros((r, t), np.int32), np.zeros((r,), np.int32),
+                out, _, s = self.calls.prefill_chunk(self.params, s, pad(r), np.zeros((r, t), np.int32), np.zeros((r,), np.int32),
                                                 table(r), np.zeros((r,), bool), self.cfg, self.implementation)
             elif name.startswith("setup_row"):
-                gdn, logits = steps.read_row(s, 0) if name.endswith("snapshot") else (None, None)
+                gdn, logits = self.calls.read_row(s, 0) if name.endswith("snapshot") else (None, None)
                 s = self._setup(s, self.slots, gdn, logits, 0, GenerationRequest([0], 1))
                 out = s.lengths
             elif name == "read_row":
-                out = steps.read_row(s, 0)
+                out = self.calls.read_row(s, 0)
             else:
-                out = s = steps.copy_page(s, self.pool.num_pages, self.pool.num_pages)
+                out = s = self.calls.copy_page(s, self.pool.num_pages, self.pool.num_pages)
             self._state = s
             jax.block_until_ready(out)
         seconds = time.perf_counter() - t0
@@ -404,7 +408,7 @@ class Engine:
     def save_snapshots(self, directory) -> int:
         """Persist the snapshot store (its pages read from the pool). Call with the loop stopped."""
         def read(ids):
-            ks, vs = steps.read_pages(self._state, np.asarray(ids, np.int32))
+            ks, vs = self.calls.read_pages(self._state, np.asarray(ids, np.int32))
             return [np.asarray(k) for k in ks], [np.asarray(v) for v in vs]
 
         return self.store.save(directory, read_pages=read) if self.store is not None else 0
@@ -413,7 +417,7 @@ class Engine:
         """Load persisted snapshots, their pages into the pool. Call before `start`."""
         def write(ks, vs):
             ids = self.pool.alloc(len(ks[0]) if ks else 0)
-            self._state = steps.write_pages(self._state, np.asarray(ids, np.int32), tuple(ks), tuple(vs))
+            self._state = self.calls.write_pages(self._state, np.asarray(ids, np.int32), tuple(ks), tuple(vs))
             return ids
 
         return self.store.load(directory, write_pages=write) if self.store is not None else 0
@@ -537,7 +541,7 @@ class Engine:
             return False
         self.pool.retain(shared)
         if start % size:  # the snapshot's partial last page: copied, since this row writes past it
-            self._state = steps.copy_page(self._state, snap.pages[start // size], fresh[0])
+            self._state = self.calls.copy_page(self._state, snap.pages[start // size], fresh[0])
         pages = shared + fresh
         self._table[row] = self.pool.num_pages
         self._table[row, : len(pages)] = pages
@@ -557,7 +561,7 @@ class Engine:
         if req.max_tokens == 0 and not slot.prefilling:  # background work whose snapshot exists already
             self._end_background(slot)
         elif not slot.prefilling:  # an exact hit: the stored logits give the first token, no model call
-            drawn, _, self._state = steps.sample_first(self._state, self._rows_array([row], self.decode_buckets))
+            drawn, _, self._state = self.calls.sample_first(self._state, self._rows_array([row], self.decode_buckets))
             self._deliver(slot, *_draw_of(drawn, 0, slot), start, moving=False)
         return True
 
@@ -570,7 +574,7 @@ class Engine:
         stops = np.full((steps.MAX_STOPS,), -1, np.int32)
         ids = list(dict.fromkeys(req.stop_ids))[: steps.MAX_STOPS]
         stops[: len(ids)] = ids
-        return steps.setup_row(state, np.int32(row), gdn, logits, np.int32(length), sp, np.uint32(req.seed % 2**32),
+        return self.calls.setup_row(state, np.int32(row), gdn, logits, np.int32(length), sp, np.uint32(req.seed % 2**32),
                                seen, np.int32(req.max_tokens), stops, np.bool_(req.logprobs is not None))
 
     def _alloc(self, n: int, keep=None) -> list[int] | None:
@@ -612,7 +616,7 @@ class Engine:
             tokens[i, :c] = slot.prompt[slot.pos : slot.pos + c]
             counts[i], last[i] = c, slot.pos + c == len(slot.prompt) and slot.handle.request.max_tokens > 0
         rows = self._rows_array([row for row, _, _ in chosen], self.prefill_buckets)
-        drawn, _, self._state = steps.prefill_chunk(self.params, self._state, rows, tokens, counts,
+        drawn, _, self._state = self.calls.prefill_chunk(self.params, self._state, rows, tokens, counts,
                                                      self._table_rows(rows), last, self.cfg, self.implementation)
         self.counters["prefill_chunks"] += 1
         self.counters["tokens_prefilled"] += int(counts.sum())
@@ -660,12 +664,12 @@ class Engine:
                 if copy is None:
                     self.counters["snapshots_skipped_no_pages"] += 1
                     return
-                self._state = steps.copy_page(self._state, slot.pages[length // size], copy[0])
+                self._state = self.calls.copy_page(self._state, slot.pages[length // size], copy[0])
                 pages = pages + copy
             else:
                 copy = []
                 pages = slot.pages[: pages_for(length, size)]
-        gdn, logits = steps.read_row(self._state, row)
+        gdn, logits = self.calls.read_row(self._state, row)
         tokens = (list(slot.prompt) + slot.drawn)[:length]
         self.store.insert(tokens, gdn, logits, namespace=slot.handle.request.namespace, kind=kind, pages=pages)
         if length % size and copy_partial:
@@ -683,7 +687,7 @@ class Engine:
             return None
         index = next(self._steps)
         arr = self._rows_array(rows, self.decode_buckets)
-        outputs, self._state = steps.decode(self.params, self._state, arr, self._table_rows(arr), self.cfg,
+        outputs, self._state = self.calls.decode(self.params, self._state, arr, self._table_rows(arr), self.cfg,
                                             self.implementation)
         slots = [self._rows[r] if r < self.slots else None for r in arr]
         for s in slots:

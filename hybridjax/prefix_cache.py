@@ -382,6 +382,8 @@ def model_identity(name: str, cfg, params) -> str:
     h = hashlib.sha256(repr(cfg).encode())
     h.update(name.encode())
     for leaf in jax.tree_util.tree_leaves(params)[:8]:
+        if not leaf.is_fully_addressable:  # spans processes: read a local shard, launch nothing
+            leaf = np.asarray(leaf.addressable_shards[0].data)
         h.update(np.asarray(leaf.reshape(-1)[:4096]).tobytes())
     return h.hexdigest()[:24]
 

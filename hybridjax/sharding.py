@@ -301,6 +301,14 @@ def paged_attention_specs(mesh, batch: int, hkv: int):
     return (q, pool, pool, P(b, None), P(b, None)), q
 
 
+def moe_specs(mesh, rows: int):
+    """shard_map specs for the routed experts (gate, up, down, x, weights, experts, valid) -> y:
+    experts on `expert`, their width on `tensor` (as RULES place them), token rows on `data`."""
+    b = batch_axis(mesh, rows)
+    wide = P("expert", None, "tensor")  # gate, up [E, D, I]
+    return (wide, wide, P("expert", "tensor", None), P(b, None), P(b, None), P(b, None), P(b)), P(b, None)
+
+
 # --- accounting --------------------------------------------------------------------------
 
 

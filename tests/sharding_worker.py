@@ -118,6 +118,18 @@ def sliced_loads_agree(root: Path, names=("qwen3_5_moe", "qwen3_5_multimodal")) 
     return out
 
 
+def collectives(params, cfg, tokens: int) -> dict[str, int]:
+    """Collective ops in the compiled forward of 2 rows x `tokens` tokens (1: the MoE layers'
+    gathered path; 16: the grouped path) on a cache of 64."""
+    import re
+    from collections import Counter
+
+    cache = hybridjax.reserve(hybridjax.init_cache(cfg, 2, 64, mesh=params.mesh), 64)
+    fwd = jax.jit(hybridjax.forward, static_argnames=("cfg",))
+    hlo = fwd.lower(params, np.zeros((2, tokens), np.int32), cache, cfg).compile().as_text()
+    return dict(Counter(re.findall(r" (all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)\(", hlo)))
+
+
 def main(out_dir: str, engine: bool = False) -> dict:
     root = Path(out_dir)
     report = {"devices": jax.device_count(), "cases": {}, "timings": {}}
@@ -148,6 +160,10 @@ def main(out_dir: str, engine: bool = False) -> dict:
                 "ssm_spec": got["ssm_spec"], "kv_spec": got["kv_spec"],
                 "shards": shard_shapes(sharded), "mesh_devices": n,
             }
+            if name == "moe" and spec == "expert=4":
+                report["moe_collectives"] = {"moe_layers": sum(map(bool, cfg.moe_layers)),
+                                             "decode": collectives(sharded, cfg, 1),
+                                             "prefill": collectives(sharded, cfg, 16)}
             report["timings"][f"{name}:{spec}"] = time.perf_counter() - t
         if name == "dense":  # a converted (orbax) checkpoint restores straight onto the mesh
             from hybridjax.conversion import convert_hf

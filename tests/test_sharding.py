@@ -130,6 +130,18 @@ def test_engine_serves_the_same_with_a_mesh(report):
     assert e["mesh"][2] == e["generate"][0]
 
 
+def test_routed_experts_on_the_expert_axis_combine_then_reduce(report):
+    """MoE on mesh expert=4: each device runs its own experts' pairs and the partial outputs are
+    summed once per MoE layer, in decode (gathered path) and prefill (grouped path): one
+    all-reduce of [N, D] per layer and nothing else (attention and GDN are replicated over
+    `expert`); never an all-gather of the expert weights, which XLA's partitioner inserted
+    around the routed gathers and grouped matmuls before they ran in shard_map."""
+    c = report["moe_collectives"]
+    assert c["moe_layers"] == 3
+    assert c["decode"] == {"all-reduce": 3}
+    assert c["prefill"] == {"all-reduce": 3}
+
+
 def test_two_processes_match_one(report):
     """`hybridjax generate` over jax.distributed: 2 processes x 2 host devices, mesh tensor=4
     spanning both (gloo collectives), gives the greedy tokens one process computed on one device

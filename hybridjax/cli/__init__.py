@@ -14,6 +14,7 @@ import argparse
 import functools
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -276,10 +277,13 @@ def cmd_serve(args) -> int:
         api_keys=read_api_keys(args.api_key_file) if args.api_key_file else (),
         max_body_bytes=int(args.max_body_mb * 2**20),
     )
-    if (args.num_processes or 1) > 1:
-        # Followers would have to replay process 0's engine steps; not built yet (docs/sharding.md).
-        raise CLIError("serve across processes is not supported yet: use --mesh over this host's devices "
-                       "(`hybridjax generate` does run across processes)")
+    multi = (args.num_processes or 1) > 1
+    if multi and not args.mesh:
+        raise CLIError("serve across processes needs --mesh (a mesh over every process's devices)")
+    if multi and args.prefix_cache_dir:
+        # Saving reads sharded KV pages into process 0's host alone (docs/sharding.md).
+        raise CLIError("--prefix-cache-dir is not supported across processes")
+    init_distributed(args)
     use_compile_cache(args.compile_cache_dir, not args.no_compile_cache)
     import logging
     import time
@@ -294,7 +298,27 @@ def cmd_serve(args) -> int:
     log.info("loaded %s: %.1fM parameters, %.1f MB (%s), %d layers, context %d, in %.1f s", name, n / 1e6,
              nbytes / 2**20, params.embed.dtype, cfg.num_hidden_layers, min(args.max_len, cfg.max_position_embeddings),
              time.perf_counter() - t0)
-    return serve(sc, cfg, params, tok, name)
+    if not multi:
+        return serve(sc, cfg, params, tok, name)
+    # Process 0 serves HTTP; the others replay its engine steps (hybridjax.multihost).
+    from hybridjax import multihost
+
+    host = args.coordinator.rsplit(":", 1)[0].strip("[]")
+    if args.process_id != 0:
+        log.info("process %d: following process 0's engine steps", args.process_id)
+        return multihost.follow(cfg, params, multihost.connect(host, cfg, params))
+    calls = multihost.lead(host, cfg, params)
+    # uvicorn re-raises SIGTERM once it has shut down; with the default action the process would
+    # die there, before `finally` tells the followers to stop.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    try:
+        return serve(sc, cfg, params, tok, name, calls=calls)
+    finally:
+        calls.close()
+
+
+def _exit_on_signal(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 def _size(params) -> tuple[int, int]:

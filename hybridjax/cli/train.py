@@ -54,6 +54,8 @@ def add_train(sub) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its last checkpoint (same settings; a larger --steps "
                         "extends it, stretching the cosine schedule from there)")
+    p.add_argument("--mesh", help='train on a device mesh of this process: "data=2,tensor=2" (batch rows on data, '
+                                  "weights and optimizer state by the sharding rules; default: one device)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
 
@@ -136,7 +138,8 @@ def _model(args, error):
         path = Path(args.model)
         if not path.is_dir():
             raise error(f"model directory not found: {args.model}")
-        cfg, params = hybridjax.load(path, dtype="float32")
+        mesh = hybridjax.make_mesh(args.mesh, hybridjax.load_config(path)) if args.mesh else None
+        cfg, params = hybridjax.load(path, dtype="float32", mesh=mesh)
         tok_dir = Path(args.tokenizer) if args.tokenizer else path
         if not (tok_dir / "tokenizer.json").is_file():
             raise error(f"{tok_dir} has no tokenizer.json: pass --tokenizer DIR")
@@ -147,6 +150,8 @@ def _model(args, error):
     raw = read_json(cfg_path)
     cfg = config_from_dict(raw)
     params = train.fresh_params(cfg, args.seed, mtp=bool(raw.get("mtp_num_hidden_layers") or raw.get("num_nextn_predict_layers")))
+    if args.mesh:
+        params = hybridjax.shard_params(params, cfg, hybridjax.make_mesh(args.mesh, cfg))
     tok_dir = Path(args.tokenizer) if args.tokenizer else cfg_path.parent
     tok = Tokenizer.from_dir(tok_dir, cfg.eos_token_id) if (tok_dir / "tokenizer.json").is_file() else byte_level_tokenizer()
     if tok.vocab_size > cfg.vocab_size:

@@ -79,8 +79,8 @@ def error_response(status: int, message: str, param=None, code=None, type_="inva
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status)
 
 
-def build_engine(sc: ServerConfig, cfg, params, tokenizer, name: str):
-    """(engine, store) for a loaded model and a ServerConfig."""
+def build_engine(sc: ServerConfig, cfg, params, tokenizer, name: str, calls=None):
+    """(engine, store) for a loaded model and a ServerConfig (`calls`: see Engine)."""
     if tokenizer is None:
         raise ValueError(f"{name}: the server needs a tokenizer.json in the model directory")
     max_len = min(sc.max_len, cfg.max_position_embeddings)
@@ -93,7 +93,7 @@ def build_engine(sc: ServerConfig, cfg, params, tokenizer, name: str):
         num_pages = max(1, int(sc.kv_mb * 2**20 // page_bytes(cfg, sc.page_size, params.embed.dtype)))
     engine = Engine(cfg, params, tokenizer, slots=sc.slots, max_len=max_len, store=store,
                     checkpoint_interval=sc.checkpoint_interval, max_queue=sc.max_queue, page_size=sc.page_size,
-                    num_pages=num_pages, prefill_chunk=sc.prefill_chunk)
+                    num_pages=num_pages, prefill_chunk=sc.prefill_chunk, calls=calls)
     return engine, store
 
 
@@ -582,11 +582,11 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def serve(sc: ServerConfig, cfg, params, tokenizer, name: str) -> int:
-    """Run the server for a loaded model until interrupted (uvicorn)."""
+def serve(sc: ServerConfig, cfg, params, tokenizer, name: str, calls=None) -> int:
+    """Run the server for a loaded model until interrupted (uvicorn); `calls`: see Engine."""
     import uvicorn
 
-    engine, _ = build_engine(sc, cfg, params, tokenizer, name)
+    engine, _ = build_engine(sc, cfg, params, tokenizer, name, calls)
     if sc.cache_dir:
         Path(sc.cache_dir).mkdir(parents=True, exist_ok=True)
     app = create_app(engine, name, api_key=sc.api_key, api_keys=sc.api_keys,

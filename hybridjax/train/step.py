@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
+from hybridjax import sharding
 from hybridjax.config import Config
 from hybridjax.params import FLOAT32_LEAVES, Params, cast_params, init_params
 from hybridjax.train import lora as lora_lib
@@ -181,10 +182,30 @@ def make_train_step(cfg: Config, tc: TrainConfig):
             raise ValueError(f"batch size {b} is not divisible by grad_accum={tc.grad_accum}")
         if tc.mtp_weight > 0 and _lacks_mtp(state):
             raise ValueError("mtp_weight > 0 but the model has no MTP head (params.mtp is None)")
+        batch = place_batch(batch, _mesh(state))
         new, metrics = jitted(state.replace(frozen=None), state.frozen, batch, cfg, tc)
         return new.replace(frozen=state.frozen), metrics
 
     return train_step
+
+
+def place_batch(batch: dict, mesh) -> dict:
+    """The batch on `mesh` with its rows split over `data` (data parallelism; replicated when
+    they do not divide); as given without a multi-device mesh. XLA then all-reduces the
+    gradients over `data`, as it all-reduces activations over `tensor` (docs/sharding.md)."""
+    if not sharding.is_multi_device(mesh):
+        return batch
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    rows = sharding.batch_axis(mesh, batch["tokens"].shape[0])
+    return {k: jax.device_put(v, NamedSharding(mesh, P(rows))) for k, v in batch.items()}
+
+
+def _mesh(state: TrainState):
+    """The mesh the model lives on (Params.mesh, static), or None."""
+    p = state.frozen if state.frozen is not None else state.params
+    return getattr(p, "mesh", None)
 
 
 def _lacks_mtp(state: TrainState) -> bool:
