@@ -241,11 +241,16 @@ class Engine:
     def __init__(self, cfg: Config, params: Params, tokenizer: Tokenizer | None, *, slots: int = 4,
                  max_len: int = 4096, store: SnapshotStore | None = None, checkpoint_interval: int = 0,
                  max_queue: int = 64, page_size: int = DEFAULT_PAGE_SIZE, num_pages: int | None = None,
-                 prefill_chunk: int = 256, prefill_rows: int = 4):
+                 prefill_chunk: int = 256, prefill_rows: int = 4, speculative_tokens: int = 0):
         if slots < 1 or max_len < 2:
             raise ValueError("engine: slots must be >= 1 and max_len >= 2")
         if prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
             raise ValueError(f"engine: prefill_chunk must be a power of two >= 16, got {prefill_chunk}")
+        if speculative_tokens:
+            from hybridjax.speculative import check_speculative
+
+            check_speculative(params, speculative_tokens)
+        self.speculative_tokens = speculative_tokens  # K drafts per decode step (0: plain decoding)
         self.cfg, self.params, self.tokenizer = cfg, params, tokenizer
         self.slots, self.max_len, self.prefill_chunk = slots, max_len, prefill_chunk
         self.store, self.checkpoint_interval, self.max_queue = store, checkpoint_interval, max_queue
@@ -272,13 +277,13 @@ class Engine:
 
     def _reset_device(self) -> None:
         self._state = steps.init_state(self.cfg, self.slots, self.pool.num_pages, self.pool.page_size, self.dtype,
-                                       mesh=self.params.mesh)
+                                       mesh=self.params.mesh, mtp=self.speculative_tokens > 0)
         self._table = np.full((self.slots, self.pages_per_row), self.pool.num_pages, np.int32)  # P: no page
 
     @property
     def page_bytes(self) -> int:
         """Bytes of one page over every attention layer (k and v)."""
-        return page_bytes(self.cfg, self.pool.page_size, self.dtype)
+        return page_bytes(self.cfg, self.pool.page_size, self.dtype, mtp=self.speculative_tokens > 0)
 
     # --- public API (any thread) ----------------------------------------------------
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
@@ -356,7 +361,9 @@ class Engine:
 
     def shapes(self) -> list[tuple]:
         """Every program the loop runs, as (step name, rows, tokens): what `warmup` compiles."""
-        out = [("decode", r, 1) for r in self.decode_buckets] + [("sample_first", r, 0) for r in self.decode_buckets]
+        k = self.speculative_tokens
+        out = ([("spec_decode", r, k + 1) if k else ("decode", r, 1) for r in self.decode_buckets]
+               + [("sample_first", r, 0) for r in self.decode_buckets])
         t = 16
         while t <= self.prefill_chunk:
             out += [("prefill", r, t) for r in self.prefill_buckets if r * t <= self.prefill_chunk]
@@ -382,6 +389,9 @@ class Engine:
             s = self._state
             if name == "decode":
                 out, s = steps.decode(self.params, s, pad(r), table(r), self.cfg, self.implementation)
+            elif name == "spec_decode":
+                out, s = steps.spec_decode(self.params, s, pad(r), table(r), self.cfg, self.speculative_tokens,
+                                           self.implementation)
             elif name == "sample_first":
                 out, _, s = steps.sample_first(s, pad(r))
             elif name == "prefill":
@@ -665,6 +675,11 @@ class Engine:
             else:
                 copy = []
                 pages = slot.pages[: pages_for(length, size)]
+        if self.speculative_tokens and kind == "response" and int(self._state.lengths[row]) != length:
+            # The row ran past the response's end (a stop string seen by the host after the
+            # row accepted more drafts): the state at `length` is gone, so no snapshot.
+            self.counters["snapshots_skipped_speculative"] += 1
+            return
         gdn, logits = steps.read_row(self._state, row)
         tokens = (list(slot.prompt) + slot.drawn)[:length]
         self.store.insert(tokens, gdn, logits, namespace=slot.handle.request.namespace, kind=kind, pages=pages)
@@ -679,8 +694,13 @@ class Engine:
             return None
         index = next(self._steps)
         arr = self._rows_array(rows, self.decode_buckets)
-        outputs, self._state = steps.decode(self.params, self._state, arr, self._table_rows(arr), self.cfg,
-                                            self.implementation)
+        if self.speculative_tokens:
+            outputs, self._state = steps.spec_decode(self.params, self._state, arr, self._table_rows(arr), self.cfg,
+                                                     self.speculative_tokens, self.implementation)
+            self.counters["spec_verify_steps"] += 1
+        else:
+            outputs, self._state = steps.decode(self.params, self._state, arr, self._table_rows(arr), self.cfg,
+                                                self.implementation)
         slots = [self._rows[r] if r < self.slots else None for r in arr]
         for s in slots:
             if s is not None:
@@ -690,6 +710,8 @@ class Engine:
 
     def _process(self, step: _Step) -> None:
         """Deliver a finished step's tokens (the next step may already be running)."""
+        if self.speculative_tokens:
+            return self._process_speculative(step)
         drawn, lengths = step.outputs[0], np.asarray(step.outputs[2])
         for i, slot in enumerate(step.slots):
             if slot is None or slot.finished:
@@ -699,6 +721,38 @@ class Engine:
                 self._free(slot)
                 continue
             self._deliver(slot, *_draw_of(drawn, i, slot), int(lengths[i]), moving=slot.last_step > step.index)
+
+    def _process_speculative(self, step: _Step) -> None:
+        """`_process` for a speculative step: each row drew 0 .. K+1 tokens. Those before the
+        last are accepted drafts, already in the row's cache; the last is too when the row went
+        idle (it stopped on a draft), else it is the pending token the next step feeds."""
+        drawn, count, accepted, drafting, lengths, idle = jax.device_get(step.outputs)
+        k = self.speculative_tokens
+        for i, slot in enumerate(step.slots):
+            if slot is None:
+                continue
+            self.counters["spec_drafted_tokens"] += k * int(drafting[i])
+            self.counters["spec_accepted_tokens"] += int(accepted[i])
+            if slot.finished:
+                continue
+            if slot.handle.cancelled.is_set():
+                self._close(slot, "cancelled")
+                self._free(slot)
+                continue
+            c, n = int(count[i]), int(lengths[i])
+            fed = c if idle[i] else c - 1  # tokens drawn this step that the cache now covers
+            want = slot.handle.request.logprobs
+            for j in range(c):
+                lp = ()
+                if want is not None:
+                    top = zip(drawn.top_ids[i, j, :want].tolist(), drawn.top_logprobs[i, j, :want].tolist())
+                    lp = (float(drawn.logprob[i, j]), tuple(top))
+                if j < fed:  # in the cache at position n - fed + j
+                    self._deliver(slot, int(drawn.tokens[i, j]), lp, n - fed + j, moving=True)
+                else:
+                    self._deliver(slot, int(drawn.tokens[i, j]), lp, n, moving=slot.last_step > step.index)
+                if slot.finished:
+                    break
 
     # --- delivery and the end of a request -------------------------------------------------
     def _deliver(self, slot: _Slot, token: int, logprobs: tuple, length: int, moving: bool) -> None:
