@@ -197,7 +197,9 @@ def _logprobs(logits: Array, sampler: Sampler, tok: Array, want: Array):
         sp = sampler.params
         pen = apply_penalties(logits, sp, sampler.seen, sampler.out_counts)
         lp = jax.nn.log_softmax(pen / jnp.where(sp.temperature > 0, sp.temperature, 1.0)[:, None], axis=-1)
-        top_lp, top_ids = jax.lax.top_k(lp, MAX_TOP_LOGPROBS)
+        top_lp, top_ids = jax.lax.top_k(lp, min(MAX_TOP_LOGPROBS, lp.shape[-1]))
+        pad = ((0, 0), (0, MAX_TOP_LOGPROBS - top_lp.shape[-1]))  # a vocabulary smaller than 20 (test models)
+        top_lp, top_ids = jnp.pad(top_lp, pad, constant_values=-jnp.inf), jnp.pad(top_ids, pad)
         return jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_lp
 
     r = logits.shape[0]

@@ -269,7 +269,7 @@ def cmd_serve(args) -> int:
         cache_dir=args.prefix_cache_dir, api_key=args.api_key, page_size=args.page_size, kv_pages=args.kv_pages, kv_mb=args.kv_mb,
         prefill_chunk=args.prefill_chunk, warmup=not args.no_warmup,
         api_keys=read_api_keys(args.api_key_file) if args.api_key_file else (),
-        max_body_bytes=int(args.max_body_mb * 2**20),
+        max_body_bytes=int(args.max_body_mb * 2**20), speculative_tokens=args.speculative_tokens,
     )
     if (args.num_processes or 1) > 1:
         # Followers would have to replay process 0's engine steps; not built yet (docs/sharding.md).
@@ -325,6 +325,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--prefill-chunk", type=_power_of_two, default=256,
                    help="prompt tokens per engine step; running streams decode between chunks")
     p.add_argument("--no-warmup", action="store_true", help="do not compile every shape before serving")
+    p.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                   help="draft K tokens (1-4) per decode step with the model's MTP head, verify them in one "
+                        "forward (greedy output unchanged; needs mtp.* weights)")
     _add_mesh_args(p)
     _add_compile_cache(p)
     p.set_defaults(func=cmd_serve)
