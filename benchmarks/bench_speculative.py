@@ -19,6 +19,13 @@ the accepted tokens again):
   `speculative.MIN_RATE[K]`, a probe every `PROBE_EVERY` steps); `--head random` gives a head
   whose drafts are (almost) never accepted: the worst case, and the cost of a drafting step.
 
+Engine section (`--sections engine`): the serving engine (`Engine(speculative_tokens=K)`, 4
+slots, no snapshot store) decoding `--streams` concurrent requests of `--new-tokens` each (no stop
+tokens), K = 0 the plain engine. decode tok/s = tokens after each request's first /
+(last token's time - first token's time, over all requests); a first round compiles what the
+round runs (not timed), then the Ks alternate round by round; best of `--repeats`. acceptance
+from the engine's counters; tokens of every K are checked against K = 0's.
+
 The machine is shared with other agents: compare figures of one run only, as ratios to K = 0.
 """
 
@@ -52,23 +59,99 @@ def main(argv=None) -> int:
     ap.add_argument("--streams", default="1", help="comma-separated batch sizes (rows decoded together)")
     ap.add_argument("--head", choices=["trained", "random"], default="trained",
                     help="the default's trained MTP head, or a random one (acceptance ~0: the worst case)")
+    ap.add_argument("--sections", default="library,engine", help="library (generate), engine (the serving engine)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
+    rows = []
+    if "library" in args.sections.split(","):
+        rows += bench_library(args)
+    if "engine" in args.sections.split(","):
+        rows += bench_engine(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
 
-    import jax
-    import numpy as np
 
+def load(args):
     from hybridjax.default_model import default_model
-    from hybridjax.generate import generate
 
     cfg, params, tok = default_model()
     if args.head == "random":
         from hybridjax.params import init_params
 
         params = params.replace(mtp=init_params(1, cfg, mtp=True).mtp)
+    prompts = [tok.encode_chat([{"role": "user", "content": q}], add_generation_prompt=True) for q in QUESTIONS]
+    return cfg, params, tok, prompts
+
+
+def bench_engine(args) -> list:
+    import jax
+
+    from hybridjax.engine import Engine, GenerationRequest
+
+    cfg, params, tok, prompts_all = load(args)
+    ks = [int(k) for k in args.ks.split(",")]
+    print(f"\nengine: default model ({sum(x.size for x in jax.tree_util.tree_leaves(params)) / 1e6:.1f} M params), "
+          f"float32, 4 slots, {args.new_tokens} new tokens per stream, greedy, {args.head} MTP head; "
+          "machine shared with other agents", flush=True)
+    engines = {k: Engine(cfg, params, tok, store=None, slots=4, max_len=1024, speculative_tokens=k).start() for k in ks}
+    rows = []
+    try:
+        for streams in [int(s) for s in args.streams.split(",")]:
+            prompts = [prompts_all[i % len(prompts_all)] for i in range(streams)]
+
+            def run(k):
+                eng = engines[k]
+                handles = [eng.submit(GenerationRequest(p, max_tokens=args.new_tokens)) for p in prompts]
+                first, last = [], []
+                for h in handles:
+                    for i, _ in enumerate(h.events()):
+                        if i == 0:
+                            first.append(time.perf_counter())
+                    last.append(time.perf_counter())
+                tokens = sum(len(h.token_ids) - 1 for h in handles)
+                return tokens / (max(last) - min(first)), [h.token_ids for h in handles]
+
+            results = {}
+            for k in ks:  # compile what a round runs (not timed)
+                _, toks = run(k)
+                results[k] = dict(k=k, streams=streams, tok_s=[], same_tokens=toks == results[ks[0]]["ref"]
+                                  if results else True, ref=toks)
+            counts = {k: dict(engines[k].counters) for k in ks}
+            for _ in range(args.repeats):
+                for k in ks:
+                    results[k]["tok_s"].append(run(k)[0])
+            print(f"\nengine, streams={streams}")
+            print(f"{'K':>2} {'decode tok/s':>12} {'vs K=0':>7} {'accept':>7} {'tok/step':>8} {'same':>5}")
+            base = None
+            for k, r in results.items():
+                c0, c1 = counts[k], engines[k].counters
+                drafted = c1["spec_drafted_tokens"] - c0.get("spec_drafted_tokens", 0)
+                accepted = c1["spec_accepted_tokens"] - c0.get("spec_accepted_tokens", 0)
+                rate = accepted / drafted if drafted else float("nan")
+                tps = max(r["tok_s"])
+                base = base or tps
+                per_step = 1 + k * rate if k else 1.0
+                print(f"{k:>2} {tps:>12.1f} {tps / base:>6.2f}x {rate:>7.2f} {per_step:>8.2f} {str(r['same_tokens']):>5}",
+                      flush=True)
+                rows.append(dict(section="engine", k=k, streams=streams, decode_tok_s=tps, ratio=tps / base,
+                                 acceptance=rate, tokens_per_step=per_step, same_tokens=r["same_tokens"]))
+    finally:
+        for eng in engines.values():
+            eng.stop()
+    return rows
+
+
+def bench_library(args) -> list:
+
+    import jax
+    import numpy as np
+
+    from hybridjax.generate import generate
+
+    cfg, params, tok, prompts_all = load(args)
     ks = [int(k) for k in args.ks.split(",")]
     rollbacks = args.rollback.split(",")
-    prompts_all = [tok.encode_chat([{"role": "user", "content": q}], add_generation_prompt=True) for q in QUESTIONS]
     rows = []
     print(f"default model ({sum(x.size for x in jax.tree_util.tree_leaves(params)) / 1e6:.1f} M params), float32, "
           f"{args.new_tokens} new tokens, greedy, {args.head} MTP head; machine shared with other agents", flush=True)
@@ -118,9 +201,7 @@ def main(argv=None) -> int:
             print(f"{k:>2} {rb:>12} {tps:>12.1f} {tps / base:>6.2f}x {rate:>7.2f} {per_step:>8.2f} {str(r['same_tokens']):>5}",
                   flush=True)
             rows.append({key: v for key, v in r.items() if key not in ("full", "prefill")})
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
-    return 0
+    return rows
 
 
 if __name__ == "__main__":

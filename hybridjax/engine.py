@@ -18,7 +18,9 @@ slot's recurrent state, sampler and logits, and the KV page pool) and the host b
      stop strings, finishes. A finished row leaves its response snapshot (its pages, by id)
      and frees its slot.
 So a running stream waits at most one prefill chunk for a long prompt, and the host's work
-overlaps the device's. Every shape the loop runs is compiled by `warmup` before serving.
+overlaps the device's. With `speculative_tokens` K, step 3 is a speculative step
+(`engine_steps.spec_decode`: K drafts of the MTP head verified in one forward), and a row
+delivers 1 to K + 1 tokens per step (docs/architecture.md, "Speculative decoding in the engine"). Every shape the loop runs is compiled by `warmup` before serving.
 Requests are independent rows: greedy output does not depend on the batch or on cache hits.
 """
 
@@ -675,7 +677,7 @@ class Engine:
             else:
                 copy = []
                 pages = slot.pages[: pages_for(length, size)]
-        if self.speculative_tokens and kind == "response" and int(self._state.lengths[row]) != length:
+        if self.speculative_tokens and kind == "response" and int(np.asarray(self._state.lengths)[row]) != length:
             # The row ran past the response's end (a stop string seen by the host after the
             # row accepted more drafts): the state at `length` is gone, so no snapshot.
             self.counters["snapshots_skipped_speculative"] += 1

@@ -18,7 +18,9 @@ stops drawing by itself (`done`) when it draws one of its stop ids or exhausts i
 next step feeds that last token and the row goes `idle`, its cache covering every token it
 drew (what its response snapshot needs). So a step dispatched before the host has seen the
 previous one never moves a finished row past its end: the host reads step N's tokens while
-step N+1 runs.
+step N+1 runs. A speculative engine's step (`spec_decode`) feeds the pending token with K drafts
+and keeps the accepted ones: it may draw several tokens per row, and a row that stops on an
+accepted draft goes idle at once (that draft is already fed).
 """
 
 from __future__ import annotations
