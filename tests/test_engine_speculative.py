@@ -14,7 +14,8 @@ drafts; a random head accepts ~1% and would test only the rejection path.
 - Snapshots: a response snapshot holds exactly the response's tokens and its recurrent state,
   logits, hidden state, KV pages and MTP pages equal one cold pass over those tokens; a hit on it
   (a longer conversation) and an exact repeat under speculation equal the cold path.
-- /metrics: drafted, accepted, verify steps, acceptance rate; seeded sampling is reproducible.
+- /metrics: drafted, accepted, verify steps, acceptance rate; log-probabilities of accepted
+  drafts; seeded sampling is reproducible.
 - `serve --speculative-tokens` through real HTTP (openai client), and the CLI flag.
 - Warm-up compiles the speculative step: serving all of the above compiles nothing more.
 
@@ -223,6 +224,15 @@ def test_metrics_count_drafts_and_acceptance(spec):
     assert metric(text, "hybridjax_speculative_acceptance_rate") == pytest.approx(accepted / drafted)
     assert metric(text, "hybridjax_speculative_mean_accepted_length") == pytest.approx(1 + accepted / (drafted / K))
     assert "hybridjax_speculative_tokens 3.0" in text
+
+
+def test_log_probabilities_of_accepted_drafts(spec, reference):
+    """Greedy with logprobs: each token (a draft or a drawn one) is its position's most likely,
+    and its log-probability is the top one's."""
+    h = run_all(spec, [PROMPTS[2]], [MAX_TOKENS[2]], logprobs=2)[0]
+    assert h.token_ids == reference[2]
+    for token, (lp, top) in zip(h.token_ids, h.logprobs):
+        assert top[0][0] == token and lp == top[0][1] and lp <= 0 and top[1][1] <= lp
 
 
 def test_seeded_sampling_is_reproducible(spec):
