@@ -16,7 +16,9 @@ drafts; a random head accepts ~1% and would test only the rejection path.
   (a longer conversation) and an exact repeat under speculation equal the cold path.
 - /metrics: drafted, accepted, verify steps, acceptance rate; log-probabilities of accepted
   drafts; seeded sampling is reproducible.
-- `serve --speculative-tokens` through real HTTP (openai client), and the CLI flag.
+- `serve --speculative-tokens` through real HTTP (openai client), and the CLI flag; a stop string
+  (seen by the host after the row may have accepted drafts past it) leaves no wrong snapshot:
+  every snapshot's logits equal a cold pass over its tokens.
 - Warm-up compiles the speculative step: serving all of the above compiles nothing more.
 
 Tolerances: float32 everywhere; the engine's chunked prefill and verify passes against one cold
@@ -272,10 +274,24 @@ def test_serve_with_speculative_tokens_over_http(model, reference):
             time.sleep(0.05)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=TIMEOUT)
         out = client.completions.create(model="spec-test", prompt=PROMPTS[1], max_tokens=13, temperature=0)
-        assert out.choices[0].text == tok.decode(reference[1], skip_special_tokens=False)
+        full = tok.decode(reference[1], skip_special_tokens=False)
+        assert out.choices[0].text == full
+        # A stop string, seen by the host after the row may have accepted drafts past it.
+        full = tok.decode(reference[3], skip_special_tokens=False)
+        cut = next(i for i in range(4, len(full) - 2) if full[i : i + 2] not in full[: i + 1])
+        out = client.completions.create(model="spec-test", prompt=PROMPTS[3], max_tokens=30, temperature=0,
+                                        stop=[full[cut : cut + 2]])
+        assert out.choices[0].finish_reason == "stop" and out.choices[0].text == full[:cut]
         text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
         assert 0 < metric(text, "hybridjax_speculative_accepted_tokens_total") <= metric(
             text, "hybridjax_speculative_drafted_tokens_total")
+        wait_idle(engine)
+        for snap in engine.store.snapshots():  # every snapshot, stop string or not, is its tokens' state
+            n = len(snap.tokens)
+            tokens = np.zeros((1, 64), np.int32)
+            tokens[0, :n] = snap.tokens
+            hidden, _, _ = _cold_pass(params, tokens, jnp.int32(n), cfg)
+            assert rel(snap.logits, lm_logits(params, hidden[0, n - 1])) < 1e-4, (snap.kind, n)
     finally:
         server.should_exit = True
         thread.join(timeout=60)
