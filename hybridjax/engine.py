@@ -192,7 +192,42 @@ class _Step:
 
     index: int
     slots: list  # _Slot per row of the call (None for padding)
-    outputs: tuple  # device arrays: tokens, done, lengths [R]
+    outputs: tuple  # device arrays: tokens, done, lengths [R] (a speculative step: see spec_decode)
+    speculative: bool = False  # a drafting step (`steps.spec_decode`)
+    started: float = 0.0  # perf_counter at dispatch
+    after_prefill: bool = False  # a prefill chunk ran just before it (its time is not the step's own)
+
+
+class _SpecPolicy:
+    """Adaptive speculation: a drafting step runs only while it pays. A drafting step of a batch
+    bucket costs more than a plain one (K + 1 tokens verified per row, the MTP head) and gains
+    1 + accepted drafts per row against 1: which wins depends on the acceptance and on the batch
+    (measured on the embedded default on CPU, benchmarks/bench_speculative.py: K = 3 paid 1.4-1.5x
+    at one stream and lost 0.8x at four). So the host keeps, per bucket, a moving average of
+    each kind's step time (dispatch to outputs, or previous outputs to outputs while the device
+    is busy) and of the tokens a drafting row gains, drafts when gain / t_draft >= 1 / t_plain,
+    and runs the other kind every PROBE steps so that both estimates stay current."""
+
+    PROBE = 16
+
+    def __init__(self):
+        self.time: dict = {}  # (speculative, bucket) -> seconds per step
+        self.gain = 2.0  # tokens per drafting row per step (optimistic start: try drafting)
+        self.count = 0
+
+    def draft(self, bucket: int) -> bool:
+        self.count += 1
+        t_spec, t_plain = self.time.get((True, bucket)), self.time.get((False, bucket))
+        if t_spec is None or t_plain is None:  # measure both kinds first
+            return t_spec is None
+        best = self.gain / t_spec >= 1.0 / t_plain
+        return best != (self.count % self.PROBE == 0)
+
+    def record(self, speculative: bool, bucket: int, seconds: float, gain: float | None) -> None:
+        key = (speculative, bucket)
+        self.time[key] = seconds if key not in self.time else 0.8 * self.time[key] + 0.2 * seconds
+        if gain is not None:
+            self.gain = 0.8 * self.gain + 0.2 * gain
 
 
 def _draw_of(drawn: "steps.Drawn", i: int, slot: _Slot) -> tuple[int, tuple]:
@@ -243,7 +278,8 @@ class Engine:
     def __init__(self, cfg: Config, params: Params, tokenizer: Tokenizer | None, *, slots: int = 4,
                  max_len: int = 4096, store: SnapshotStore | None = None, checkpoint_interval: int = 0,
                  max_queue: int = 64, page_size: int = DEFAULT_PAGE_SIZE, num_pages: int | None = None,
-                 prefill_chunk: int = 256, prefill_rows: int = 4, speculative_tokens: int = 0):
+                 prefill_chunk: int = 256, prefill_rows: int = 4, speculative_tokens: int = 0,
+                 speculative_adaptive: bool = True):
         if slots < 1 or max_len < 2:
             raise ValueError("engine: slots must be >= 1 and max_len >= 2")
         if prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
@@ -253,6 +289,10 @@ class Engine:
 
             check_speculative(params, speculative_tokens)
         self.speculative_tokens = speculative_tokens  # K drafts per decode step (0: plain decoding)
+        # adaptive: plain steps while drafting does not pay (`_SpecPolicy`); else every step drafts
+        self._policy = _SpecPolicy() if speculative_tokens and speculative_adaptive else None
+        self._last_done: float | None = None  # when the host last read a step's outputs
+        self._prefilled = False  # a prefill chunk was dispatched since the last decode step
         self.cfg, self.params, self.tokenizer = cfg, params, tokenizer
         self.slots, self.max_len, self.prefill_chunk = slots, max_len, prefill_chunk
         self.store, self.checkpoint_interval, self.max_queue = store, checkpoint_interval, max_queue
@@ -364,8 +404,10 @@ class Engine:
     def shapes(self) -> list[tuple]:
         """Every program the loop runs, as (step name, rows, tokens): what `warmup` compiles."""
         k = self.speculative_tokens
-        out = ([("spec_decode", r, k + 1) if k else ("decode", r, 1) for r in self.decode_buckets]
-               + [("sample_first", r, 0) for r in self.decode_buckets])
+        out = [("spec_decode", r, k + 1) for r in self.decode_buckets] if k else []
+        if not k or self._policy is not None:
+            out += [("decode", r, 1) for r in self.decode_buckets]
+        out += [("sample_first", r, 0) for r in self.decode_buckets]
         t = 16
         while t <= self.prefill_chunk:
             out += [("prefill", r, t) for r in self.prefill_buckets if r * t <= self.prefill_chunk]
@@ -624,6 +666,7 @@ class Engine:
             tokens[i, :c] = slot.prompt[slot.pos : slot.pos + c]
             counts[i], last[i] = c, slot.pos + c == len(slot.prompt) and slot.handle.request.max_tokens > 0
         rows = self._rows_array([row for row, _, _ in chosen], self.prefill_buckets)
+        self._prefilled = True
         drawn, _, self._state = steps.prefill_chunk(self.params, self._state, rows, tokens, counts,
                                                      self._table_rows(rows), last, self.cfg, self.implementation)
         self.counters["prefill_chunks"] += 1
@@ -696,7 +739,9 @@ class Engine:
             return None
         index = next(self._steps)
         arr = self._rows_array(rows, self.decode_buckets)
-        if self.speculative_tokens:
+        draft = self.speculative_tokens > 0 and (self._policy is None or self._policy.draft(len(arr)))
+        started = time.perf_counter()
+        if draft:
             outputs, self._state = steps.spec_decode(self.params, self._state, arr, self._table_rows(arr), self.cfg,
                                                      self.speculative_tokens, self.implementation)
             self.counters["spec_verify_steps"] += 1
@@ -708,13 +753,16 @@ class Engine:
             if s is not None:
                 s.last_step = index
         self.counters["steps"] += 1
-        return _Step(index, slots, outputs)
+        step = _Step(index, slots, outputs, draft, started, self._prefilled)
+        self._prefilled = False
+        return step
 
     def _process(self, step: _Step) -> None:
         """Deliver a finished step's tokens (the next step may already be running)."""
-        if self.speculative_tokens:
+        if step.speculative:
             return self._process_speculative(step)
         drawn, lengths = step.outputs[0], np.asarray(step.outputs[2])
+        self._timed(step, None)
         for i, slot in enumerate(step.slots):
             if slot is None or slot.finished:
                 continue
@@ -730,6 +778,8 @@ class Engine:
         idle (it stopped on a draft), else it is the pending token the next step feeds."""
         drawn, count, accepted, drafting, lengths, idle = jax.device_get(step.outputs)
         k = self.speculative_tokens
+        rows = int(drafting.sum())
+        self._timed(step, 1 + int(accepted.sum()) / rows if rows else None)
         for i, slot in enumerate(step.slots):
             if slot is None:
                 continue
@@ -755,6 +805,14 @@ class Engine:
                     self._deliver(slot, int(drawn.tokens[i, j]), lp, n, moving=slot.last_step > step.index)
                 if slot.finished:
                     break
+
+    def _timed(self, step: _Step, gain: float | None) -> None:
+        """Tell the adaptive policy what the step cost (its outputs are on the host now)."""
+        done = time.perf_counter()
+        if self._policy is not None and not step.after_prefill:
+            start = max(step.started, self._last_done) if self._last_done is not None else step.started
+            self._policy.record(step.speculative, len(step.slots), done - start, gain)
+        self._last_done = done
 
     # --- delivery and the end of a request -------------------------------------------------
     def _deliver(self, slot: _Slot, token: int, logprobs: tuple, length: int, moving: bool) -> None:

@@ -257,8 +257,18 @@ def _decode(params, state, rows, table, cfg, implementation=None):
     feed = (rows < state.slots) & ~_take(state.idle, rows)
     draw = feed & ~_take(state.done, rows)
     cache = _rows_cache(state, rows, table)
-    logits, cache = forward(params, _take(state.pending, rows)[:, None], cache, cfg, token_counts=feed.astype(jnp.int32),
-                            implementation=implementation)
+    tokens = _take(state.pending, rows)[:, None]
+    if state.hidden is None:
+        logits, cache = forward(params, tokens, cache, cfg, token_counts=feed.astype(jnp.int32),
+                                implementation=implementation)
+    else:  # a speculative engine's plain step: the MTP pair (h_{n-1}, t0) and the hidden state follow
+        hidden, new = forward_hidden(params, tokens, cache, cfg, token_counts=feed.astype(jnp.int32),
+                                     implementation=implementation)
+        logits = lm_logits(params, hidden)
+        state = state.replace(mtp=mtp_pairs(params, state, rows, table, hidden, tokens, cache.lengths,
+                                            feed.astype(jnp.int32), cfg, implementation),
+                              hidden=_put(state.hidden, rows, hidden[:, 0].astype(state.hidden.dtype), feed))
+        cache = new
     state = _store_rows(state, rows, cache, feed)
     state = state.replace(logits=_put(state.logits, rows, logits[:, 0], feed),
                           idle=_put(state.idle, rows, feed & ~draw, feed & ~draw))

@@ -19,6 +19,8 @@ drafts; a random head accepts ~1% and would test only the rejection path.
 - `serve --speculative-tokens` through real HTTP (openai client), and the CLI flag; a stop string
   (seen by the host after the row may have accepted drafts past it) leaves no wrong snapshot:
   every snapshot's logits equal a cold pass over its tokens.
+- The adaptive engine (plain steps while drafting does not pay) mixes both kinds of step and
+  gives the same tokens.
 - Warm-up compiles the speculative step: serving all of the above compiles nothing more.
 
 Tolerances: float32 everywhere; the engine's chunked prefill and verify passes against one cold
@@ -99,17 +101,26 @@ _compiled = {}
 
 
 @pytest.fixture(scope="module")
-def spec(model):
-    """Warmed up: every program the engine runs is compiled before the first request (the last
-    test checks that serving compiled nothing more)."""
+def engines(model):
+    """(drafting on every step, adaptive), warmed up: every program they run is compiled before
+    the first request (the last test checks that serving compiled nothing more)."""
     cfg, params = model
-    eng = Engine(cfg, params, None, store=SnapshotStore("spec"), speculative_tokens=K, **KW)
-    assert ("spec_decode", 4, K + 1) in eng.shapes() and not any(s[0] == "decode" for s in eng.shapes())
-    eng.warmup()
-    _compiled.update({name: getattr(steps, name)._cache_size() for name in ENGINE_STEPS})
-    eng.start()
-    yield eng
-    eng.stop()
+    fixed = Engine(cfg, params, None, store=SnapshotStore("spec"), speculative_tokens=K, speculative_adaptive=False,
+                   **KW)
+    adaptive = Engine(cfg, params, None, store=None, speculative_tokens=K, **KW)
+    assert ("spec_decode", 4, K + 1) in fixed.shapes() and not any(s[0] == "decode" for s in fixed.shapes())
+    assert {("spec_decode", 4, K + 1), ("decode", 4, 1)} <= set(adaptive.shapes())
+    fixed.warmup()
+    adaptive.warmup()
+    _compiled.update({name: getattr(steps, name)._cache_size() for name in ENGINE_STEPS + ("decode",)})
+    yield fixed.start(), adaptive.start()
+    fixed.stop()
+    adaptive.stop()
+
+
+@pytest.fixture(scope="module")
+def spec(engines):
+    return engines[0]
 
 
 def run_all(eng, prompts, max_tokens, **kw):
@@ -140,6 +151,15 @@ def test_greedy_same_tokens_as_without_drafts(spec, reference):
     steps_ = spec.counters["spec_verify_steps"] - before.get("spec_verify_steps", 0)
     assert 0.2 < accepted / drafted < 0.9, (accepted, drafted)  # both the accepting and the rejecting paths
     assert steps_ < max(MAX_TOKENS) - 1  # steps that gained several tokens per row
+
+
+def test_adaptive_engine_mixes_plain_and_drafting_steps(engines, reference):
+    """The adaptive engine measures both kinds of step (then picks by step time and acceptance):
+    the tokens are the same whatever it picks."""
+    eng = engines[1]
+    got = run_all(eng, PROMPTS, MAX_TOKENS)
+    assert [h.token_ids for h in got] == [r[:m] for r, m in zip(reference, MAX_TOKENS)]
+    assert 0 < eng.counters["spec_verify_steps"] < eng.counters["steps"]
 
 
 def test_a_row_that_stops_on_an_accepted_draft(spec, reference):
@@ -316,4 +336,4 @@ def test_cli_serve_passes_speculative_tokens(monkeypatch):
 def test_after_warmup_the_engines_compiled_nothing(spec):
     """Everything above (batches of 1-4 rows, hits, repeats, stops, sampling, the HTTP server's
     engine of the same configuration) ran only programs the warm-up had compiled."""
-    assert {name: getattr(steps, name)._cache_size() for name in ENGINE_STEPS} == _compiled
+    assert {name: getattr(steps, name)._cache_size() for name in ENGINE_STEPS + ("decode",)} == _compiled

@@ -66,6 +66,7 @@ class ServerConfig:
     warmup: bool = True  # compile every shape before serving
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get a 413
     speculative_tokens: int = 0  # K drafts of the MTP head per decode step (0: plain decoding)
+    speculative_adaptive: bool = True  # plain steps while drafting does not pay (engine._SpecPolicy)
 
 
 class APIError(Exception):
@@ -96,7 +97,8 @@ def build_engine(sc: ServerConfig, cfg, params, tokenizer, name: str):
                                                                 mtp=sc.speculative_tokens > 0)))
     engine = Engine(cfg, params, tokenizer, slots=sc.slots, max_len=max_len, store=store,
                     checkpoint_interval=sc.checkpoint_interval, max_queue=sc.max_queue, page_size=sc.page_size,
-                    num_pages=num_pages, prefill_chunk=sc.prefill_chunk, speculative_tokens=sc.speculative_tokens)
+                    num_pages=num_pages, prefill_chunk=sc.prefill_chunk, speculative_tokens=sc.speculative_tokens,
+                    speculative_adaptive=sc.speculative_adaptive)
     return engine, store
 
 
