@@ -24,7 +24,9 @@ slots, no snapshot store) decoding `--streams` concurrent requests of `--new-tok
 tokens), K = 0 the plain engine. decode tok/s = tokens after each request's first /
 (last token's time - first token's time, over all requests); a first round compiles what the
 round runs (not timed), then the Ks alternate round by round; best of `--repeats`. acceptance
-from the engine's counters; tokens of every K are checked against K = 0's.
+from the engine's counters; tokens of every K are checked against K = 0's. "fixed": every
+step drafts; "adaptive" (the engine's default): plain steps while drafting does not pay
+(`engine._SpecPolicy`); "drafting" = the share of steps that drafted.
 
 The machine is shared with other agents: compare figures of one run only, as ratios to K = 0.
 """
@@ -94,14 +96,17 @@ def bench_engine(args) -> list:
     print(f"\nengine: default model ({sum(x.size for x in jax.tree_util.tree_leaves(params)) / 1e6:.1f} M params), "
           f"float32, 4 slots, {args.new_tokens} new tokens per stream, greedy, {args.head} MTP head; "
           "machine shared with other agents", flush=True)
-    engines = {k: Engine(cfg, params, tok, store=None, slots=4, max_len=1024, speculative_tokens=k).start() for k in ks}
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.adaptive]
+    configs = [(0, False)] + [(k, a) for a in modes for k in ks if k]
+    engines = {(k, a): Engine(cfg, params, tok, store=None, slots=4, max_len=1024, speculative_tokens=k,
+                              speculative_adaptive=a).start() for k, a in configs}
     rows = []
     try:
         for streams in [int(s) for s in args.streams.split(",")]:
             prompts = [prompts_all[i % len(prompts_all)] for i in range(streams)]
 
             def run(k):
-                eng = engines[k]
+                eng = engines[k]  # k: (K, adaptive)
                 handles = [eng.submit(GenerationRequest(p, max_tokens=args.new_tokens)) for p in prompts]
                 first, last = [], []
                 for h in handles:
@@ -113,29 +118,33 @@ def bench_engine(args) -> list:
                 return tokens / (max(last) - min(first)), [h.token_ids for h in handles]
 
             results = {}
-            for k in ks:  # compile what a round runs (not timed)
-                _, toks = run(k)
-                results[k] = dict(k=k, streams=streams, tok_s=[], same_tokens=toks == results[ks[0]]["ref"]
-                                  if results else True, ref=toks)
-            counts = {k: dict(engines[k].counters) for k in ks}
+            for c in configs:  # compile what a round runs (not timed)
+                _, toks = run(c)
+                results[c] = dict(tok_s=[], same_tokens=toks == results[configs[0]]["ref"] if results else True, ref=toks)
+            counts = {c: dict(engines[c].counters) for c in configs}
             for _ in range(args.repeats):
-                for k in ks:
-                    results[k]["tok_s"].append(run(k)[0])
+                for c in configs:
+                    results[c]["tok_s"].append(run(c)[0])
             print(f"\nengine, streams={streams}")
-            print(f"{'K':>2} {'decode tok/s':>12} {'vs K=0':>7} {'accept':>7} {'tok/step':>8} {'same':>5}")
+            print(f"{'K':>2} {'mode':>8} {'decode tok/s':>12} {'vs K=0':>7} {'accept':>7} {'tok/step':>8} {'drafting':>8} "
+                  f"{'same':>5}")
             base = None
-            for k, r in results.items():
-                c0, c1 = counts[k], engines[k].counters
+            for (k, adaptive), r in results.items():
+                c0, c1 = counts[(k, adaptive)], engines[(k, adaptive)].counters
+                steps = c1["steps"] - c0.get("steps", 0)
+                share = (c1["spec_verify_steps"] - c0.get("spec_verify_steps", 0)) / steps if steps else 0.0
                 drafted = c1["spec_drafted_tokens"] - c0.get("spec_drafted_tokens", 0)
                 accepted = c1["spec_accepted_tokens"] - c0.get("spec_accepted_tokens", 0)
                 rate = accepted / drafted if drafted else float("nan")
                 tps = max(r["tok_s"])
                 base = base or tps
                 per_step = 1 + k * rate if k else 1.0
-                print(f"{k:>2} {tps:>12.1f} {tps / base:>6.2f}x {rate:>7.2f} {per_step:>8.2f} {str(r['same_tokens']):>5}",
-                      flush=True)
-                rows.append(dict(section="engine", k=k, streams=streams, decode_tok_s=tps, ratio=tps / base,
-                                 acceptance=rate, tokens_per_step=per_step, same_tokens=r["same_tokens"]))
+                mode = "-" if not k else "adaptive" if adaptive else "fixed"
+                print(f"{k:>2} {mode:>8} {tps:>12.1f} {tps / base:>6.2f}x {rate:>7.2f} {per_step:>8.2f} {share:>8.2f} "
+                      f"{str(r['same_tokens']):>5}", flush=True)
+                rows.append(dict(section="engine", k=k, mode=mode, streams=streams, decode_tok_s=tps, ratio=tps / base,
+                                 acceptance=rate, tokens_per_step=per_step, drafting_share=share,
+                                 same_tokens=r["same_tokens"]))
     finally:
         for eng in engines.values():
             eng.stop()
