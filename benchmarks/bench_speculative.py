@@ -25,7 +25,7 @@ tokens), K = 0 the plain engine. decode tok/s = tokens after each request's firs
 (last token's time - first token's time, over all requests); a first round compiles what the
 round runs (not timed), then the Ks alternate round by round; best of `--repeats`. acceptance
 from the engine's counters; tokens of every K are checked against K = 0's. "fixed": every
-step drafts; "adaptive" (the engine's default): plain steps while drafting does not pay
+step drafts (the engine's default); "adaptive": plain steps while drafting does not pay
 (`engine._SpecPolicy`); "drafting" = the share of steps that drafted.
 
 The machine is shared with other agents: compare figures of one run only, as ratios to K = 0.

@@ -202,8 +202,8 @@ class _SpecPolicy:
     """Adaptive speculation: a drafting step runs only while it pays. A drafting step of a batch
     bucket costs more than a plain one (K + 1 tokens verified per row, the MTP head) and gains
     1 + accepted drafts per row against 1: which wins depends on the acceptance and on the batch
-    (measured on the embedded default on CPU, benchmarks/bench_speculative.py: K = 3 paid 1.4-1.5x
-    at one stream and lost 0.8x at four). So the host keeps, per bucket, a moving average of
+    (measured on the embedded default on CPU, benchmarks/bench_speculative.py, drafting every
+    step: 1.2-1.5x the plain engine at one stream, 0.6-1.0x at four). So the host keeps, per bucket, a moving average of
     each kind's step time (dispatch to outputs, or previous outputs to outputs while the device
     is busy) and of the tokens a drafting row gains, drafts when gain / t_draft >= 1 / t_plain,
     and runs the other kind every PROBE steps so that both estimates stay current."""
@@ -279,7 +279,7 @@ class Engine:
                  max_len: int = 4096, store: SnapshotStore | None = None, checkpoint_interval: int = 0,
                  max_queue: int = 64, page_size: int = DEFAULT_PAGE_SIZE, num_pages: int | None = None,
                  prefill_chunk: int = 256, prefill_rows: int = 4, speculative_tokens: int = 0,
-                 speculative_adaptive: bool = True):
+                 speculative_adaptive: bool = False):
         if slots < 1 or max_len < 2:
             raise ValueError("engine: slots must be >= 1 and max_len >= 2")
         if prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
@@ -289,7 +289,9 @@ class Engine:
 
             check_speculative(params, speculative_tokens)
         self.speculative_tokens = speculative_tokens  # K drafts per decode step (0: plain decoding)
-        # adaptive: plain steps while drafting does not pay (`_SpecPolicy`); else every step drafts
+        # adaptive: plain steps while drafting does not pay (`_SpecPolicy`); else every step drafts.
+        # Off by default: its choices follow measured times, so a seeded sampled request is no
+        # longer reproducible, and on the shared CPU it did not beat drafting every step clearly.
         self._policy = _SpecPolicy() if speculative_tokens and speculative_adaptive else None
         self._last_done: float | None = None  # when the host last read a step's outputs
         self._prefilled = False  # a prefill chunk was dispatched since the last decode step

@@ -107,7 +107,7 @@ def engines(model):
     cfg, params = model
     fixed = Engine(cfg, params, None, store=SnapshotStore("spec"), speculative_tokens=K, speculative_adaptive=False,
                    **KW)
-    adaptive = Engine(cfg, params, None, store=None, speculative_tokens=K, **KW)
+    adaptive = Engine(cfg, params, None, store=None, speculative_tokens=K, speculative_adaptive=True, **KW)
     assert ("spec_decode", 4, K + 1) in fixed.shapes() and not any(s[0] == "decode" for s in fixed.shapes())
     assert {("spec_decode", 4, K + 1), ("decode", 4, 1)} <= set(adaptive.shapes())
     fixed.warmup()
@@ -329,8 +329,8 @@ def test_cli_serve_passes_speculative_tokens(monkeypatch):
     monkeypatch.setattr(cli, "load_model", lambda *a: (cfg, params, object(), "m"))
     monkeypatch.setattr(cli, "_size", lambda params: (0, 0))
     monkeypatch.setattr(cli, "use_compile_cache", lambda *a: None)
-    cli.main(["serve", "--speculative-tokens", "2", "--no-compile-cache"])
-    assert seen["sc"].speculative_tokens == 2
+    cli.main(["serve", "--speculative-tokens", "2", "--speculative-adaptive", "--no-compile-cache"])
+    assert seen["sc"].speculative_tokens == 2 and seen["sc"].speculative_adaptive
 
 
 def test_after_warmup_the_engines_compiled_nothing(spec):

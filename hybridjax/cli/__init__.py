@@ -270,7 +270,7 @@ def cmd_serve(args) -> int:
         prefill_chunk=args.prefill_chunk, warmup=not args.no_warmup,
         api_keys=read_api_keys(args.api_key_file) if args.api_key_file else (),
         max_body_bytes=int(args.max_body_mb * 2**20), speculative_tokens=args.speculative_tokens,
-        speculative_adaptive=not args.speculative_fixed,
+        speculative_adaptive=args.speculative_adaptive,
     )
     if (args.num_processes or 1) > 1:
         # Followers would have to replay process 0's engine steps; not built yet (docs/sharding.md).
@@ -329,9 +329,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
                    help="draft K tokens (1-4) per decode step with the model's MTP head, verify them in one "
                         "forward (greedy output unchanged; needs mtp.* weights)")
-    p.add_argument("--speculative-fixed", action="store_true",
-                   help="draft on every step (default: adaptive, plain steps while the measured step times "
-                        "and acceptance say drafting does not pay)")
+    p.add_argument("--speculative-adaptive", action="store_true",
+                   help="plain steps while the measured step times and acceptance say drafting does not pay "
+                        "(default: draft on every step; adaptive makes seeded sampling depend on timing)")
     _add_mesh_args(p)
     _add_compile_cache(p)
     p.set_defaults(func=cmd_serve)

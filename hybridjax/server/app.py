@@ -66,7 +66,7 @@ class ServerConfig:
     warmup: bool = True  # compile every shape before serving
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get a 413
     speculative_tokens: int = 0  # K drafts of the MTP head per decode step (0: plain decoding)
-    speculative_adaptive: bool = True  # plain steps while drafting does not pay (engine._SpecPolicy)
+    speculative_adaptive: bool = False  # plain steps while drafting does not pay (engine._SpecPolicy)
 
 
 class APIError(Exception):
