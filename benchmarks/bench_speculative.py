@@ -19,6 +19,15 @@ the accepted tokens again):
   `speculative.MIN_RATE[K]`, a probe every `PROBE_EVERY` steps); `--head random` gives a head
   whose drafts are (almost) never accepted: the worst case, and the cost of a drafting step.
 
+Engine section (`--sections engine`): the serving engine (`Engine(speculative_tokens=K)`, 4
+slots, no snapshot store) decoding `--streams` concurrent requests of `--new-tokens` each (no stop
+tokens), K = 0 the plain engine. decode tok/s = tokens after each request's first /
+(last token's time - first token's time, over all requests); a first round compiles what the
+round runs (not timed), then the Ks alternate round by round; best of `--repeats`. acceptance
+from the engine's counters; tokens of every K are checked against K = 0's. "fixed": every
+step drafts (the engine's default); "adaptive": plain steps while drafting does not pay
+(`engine._SpecPolicy`); "drafting" = the share of steps that drafted.
+
 The machine is shared with other agents: compare figures of one run only, as ratios to K = 0.
 """
 
@@ -52,23 +61,106 @@ def main(argv=None) -> int:
     ap.add_argument("--streams", default="1", help="comma-separated batch sizes (rows decoded together)")
     ap.add_argument("--head", choices=["trained", "random"], default="trained",
                     help="the default's trained MTP head, or a random one (acceptance ~0: the worst case)")
+    ap.add_argument("--sections", default="library,engine", help="library (generate), engine (the serving engine)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
+    rows = []
+    if "library" in args.sections.split(","):
+        rows += bench_library(args)
+    if "engine" in args.sections.split(","):
+        rows += bench_engine(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
 
-    import jax
-    import numpy as np
 
+def load(args):
     from hybridjax.default_model import default_model
-    from hybridjax.generate import generate
 
     cfg, params, tok = default_model()
     if args.head == "random":
         from hybridjax.params import init_params
 
         params = params.replace(mtp=init_params(1, cfg, mtp=True).mtp)
+    prompts = [tok.encode_chat([{"role": "user", "content": q}], add_generation_prompt=True) for q in QUESTIONS]
+    return cfg, params, tok, prompts
+
+
+def bench_engine(args) -> list:
+    import jax
+
+    from hybridjax.engine import Engine, GenerationRequest
+
+    cfg, params, tok, prompts_all = load(args)
+    ks = [int(k) for k in args.ks.split(",")]
+    print(f"\nengine: default model ({sum(x.size for x in jax.tree_util.tree_leaves(params)) / 1e6:.1f} M params), "
+          f"float32, 4 slots, {args.new_tokens} new tokens per stream, greedy, {args.head} MTP head; "
+          "machine shared with other agents", flush=True)
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.adaptive]
+    configs = [(0, False)] + [(k, a) for a in modes for k in ks if k]
+    engines = {(k, a): Engine(cfg, params, tok, store=None, slots=4, max_len=1024, speculative_tokens=k,
+                              speculative_adaptive=a).start() for k, a in configs}
+    rows = []
+    try:
+        for streams in [int(s) for s in args.streams.split(",")]:
+            prompts = [prompts_all[i % len(prompts_all)] for i in range(streams)]
+
+            def run(k):
+                eng = engines[k]  # k: (K, adaptive)
+                handles = [eng.submit(GenerationRequest(p, max_tokens=args.new_tokens)) for p in prompts]
+                first, last = [], []
+                for h in handles:
+                    for i, _ in enumerate(h.events()):
+                        if i == 0:
+                            first.append(time.perf_counter())
+                    last.append(time.perf_counter())
+                tokens = sum(len(h.token_ids) - 1 for h in handles)
+                return tokens / (max(last) - min(first)), [h.token_ids for h in handles]
+
+            results = {}
+            for c in configs:  # compile what a round runs (not timed)
+                _, toks = run(c)
+                results[c] = dict(tok_s=[], same_tokens=toks == results[configs[0]]["ref"] if results else True, ref=toks)
+            counts = {c: dict(engines[c].counters) for c in configs}
+            for _ in range(args.repeats):
+                for c in configs:
+                    results[c]["tok_s"].append(run(c)[0])
+            print(f"\nengine, streams={streams}")
+            print(f"{'K':>2} {'mode':>8} {'decode tok/s':>12} {'vs K=0':>7} {'accept':>7} {'tok/step':>8} {'drafting':>8} "
+                  f"{'same':>5}")
+            base = None
+            for (k, adaptive), r in results.items():
+                c0, c1 = counts[(k, adaptive)], engines[(k, adaptive)].counters
+                steps = c1["steps"] - c0.get("steps", 0)
+                share = (c1["spec_verify_steps"] - c0.get("spec_verify_steps", 0)) / steps if steps else 0.0
+                drafted = c1["spec_drafted_tokens"] - c0.get("spec_drafted_tokens", 0)
+                accepted = c1["spec_accepted_tokens"] - c0.get("spec_accepted_tokens", 0)
+                rate = accepted / drafted if drafted else float("nan")
+                tps = max(r["tok_s"])
+                base = base or tps
+                per_step = 1 + k * rate if k else 1.0
+                mode = "-" if not k else "adaptive" if adaptive else "fixed"
+                print(f"{k:>2} {mode:>8} {tps:>12.1f} {tps / base:>6.2f}x {rate:>7.2f} {per_step:>8.2f} {share:>8.2f} "
+                      f"{str(r['same_tokens']):>5}", flush=True)
+                rows.append(dict(section="engine", k=k, mode=mode, streams=streams, decode_tok_s=tps, ratio=tps / base,
+                                 acceptance=rate, tokens_per_step=per_step, drafting_share=share,
+                                 same_tokens=r["same_tokens"]))
+    finally:
+        for eng in engines.values():
+            eng.stop()
+    return rows
+
+
+def bench_library(args) -> list:
+
+    import jax
+    import numpy as np
+
+    from hybridjax.generate import generate
+
+    cfg, params, tok, prompts_all = load(args)
     ks = [int(k) for k in args.ks.split(",")]
     rollbacks = args.rollback.split(",")
-    prompts_all = [tok.encode_chat([{"role": "user", "content": q}], add_generation_prompt=True) for q in QUESTIONS]
     rows = []
     print(f"default model ({sum(x.size for x in jax.tree_util.tree_leaves(params)) / 1e6:.1f} M params), float32, "
           f"{args.new_tokens} new tokens, greedy, {args.head} MTP head; machine shared with other agents", flush=True)
@@ -118,9 +210,7 @@ def main(argv=None) -> int:
             print(f"{k:>2} {rb:>12} {tps:>12.1f} {tps / base:>6.2f}x {rate:>7.2f} {per_step:>8.2f} {str(r['same_tokens']):>5}",
                   flush=True)
             rows.append({key: v for key, v in r.items() if key not in ("full", "prefill")})
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
-    return 0
+    return rows
 
 
 if __name__ == "__main__":

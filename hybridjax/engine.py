@@ -18,7 +18,9 @@ slot's recurrent state, sampler and logits, and the KV page pool) and the host b
      while it runs, delivers the previous step's tokens: text, stop strings, finishes. A
      finished row leaves its response snapshot (its pages, by id) and frees its slot.
 So a running stream waits at most one prefill chunk for a long prompt, and the host's work
-overlaps the device's. Every shape the loop runs is compiled by `warmup` before serving.
+overlaps the device's. With `speculative_tokens` K, step 3 is a speculative step
+(`engine_steps.spec_decode`: K drafts of the MTP head verified in one forward), and a row
+delivers 1 to K + 1 tokens per step (docs/architecture.md, "Speculative decoding in the engine"). Every shape the loop runs is compiled by `warmup` before serving.
 Requests are independent rows: greedy output does not depend on the batch or on cache hits.
 """
 
@@ -190,7 +192,42 @@ class _Step:
 
     index: int
     slots: list  # _Slot per row of the call (None for padding)
-    outputs: tuple  # device arrays: tokens, done, lengths [R]
+    outputs: tuple  # device arrays: tokens, done, lengths [R] (a speculative step: see spec_decode)
+    speculative: bool = False  # a drafting step (`steps.spec_decode`)
+    started: float = 0.0  # perf_counter at dispatch
+    after_prefill: bool = False  # a prefill chunk ran just before it (its time is not the step's own)
+
+
+class _SpecPolicy:
+    """Adaptive speculation: a drafting step runs only while it pays. A drafting step of a batch
+    bucket costs more than a plain one (K + 1 tokens verified per row, the MTP head) and gains
+    1 + accepted drafts per row against 1: which wins depends on the acceptance and on the batch
+    (measured on the embedded default on CPU, benchmarks/bench_speculative.py, drafting every
+    step: 1.2-1.5x the plain engine at one stream, 0.6-1.0x at four). So the host keeps, per bucket, a moving average of
+    each kind's step time (dispatch to outputs, or previous outputs to outputs while the device
+    is busy) and of the tokens a drafting row gains, drafts when gain / t_draft >= 1 / t_plain,
+    and runs the other kind every PROBE steps so that both estimates stay current."""
+
+    PROBE = 16
+
+    def __init__(self):
+        self.time: dict = {}  # (speculative, bucket) -> seconds per step
+        self.gain = 2.0  # tokens per drafting row per step (optimistic start: try drafting)
+        self.count = 0
+
+    def draft(self, bucket: int) -> bool:
+        self.count += 1
+        t_spec, t_plain = self.time.get((True, bucket)), self.time.get((False, bucket))
+        if t_spec is None or t_plain is None:  # measure both kinds first
+            return t_spec is None
+        best = self.gain / t_spec >= 1.0 / t_plain
+        return best != (self.count % self.PROBE == 0)
+
+    def record(self, speculative: bool, bucket: int, seconds: float, gain: float | None) -> None:
+        key = (speculative, bucket)
+        self.time[key] = seconds if key not in self.time else 0.8 * self.time[key] + 0.2 * seconds
+        if gain is not None:
+            self.gain = 0.8 * self.gain + 0.2 * gain
 
 
 def _draw_of(drawn: "steps.Drawn", i: int, slot: _Slot) -> tuple[int, tuple]:
@@ -241,7 +278,8 @@ class Engine:
     def __init__(self, cfg: Config, params: Params, tokenizer: Tokenizer | None, *, slots: int = 4,
                  max_len: int = 4096, store: SnapshotStore | None = None, checkpoint_interval: int = 0,
                  max_queue: int = 64, page_size: int = DEFAULT_PAGE_SIZE, num_pages: int | None = None,
-                 prefill_chunk: int = 256, prefill_rows: int = 4, calls=None):
+                 prefill_chunk: int = 256, prefill_rows: int = 4, speculative_tokens: int = 0,
+                 speculative_adaptive: bool = False, calls=None):
         """`calls`: where the jitted steps come from, `hybridjax.engine_steps` unless given; every
         device program the engine runs goes through it (the seam a multi-process server uses to
         replay process 0's steps on the others: hybridjax.multihost)."""
@@ -249,6 +287,17 @@ class Engine:
             raise ValueError("engine: slots must be >= 1 and max_len >= 2")
         if prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
             raise ValueError(f"engine: prefill_chunk must be a power of two >= 16, got {prefill_chunk}")
+        if speculative_tokens:
+            from hybridjax.speculative import check_speculative
+
+            check_speculative(params, speculative_tokens)
+        self.speculative_tokens = speculative_tokens  # K drafts per decode step (0: plain decoding)
+        # adaptive: plain steps while drafting does not pay (`_SpecPolicy`); else every step drafts.
+        # Off by default: its choices follow measured times, so a seeded sampled request is no
+        # longer reproducible, and on the shared CPU it did not beat drafting every step clearly.
+        self._policy = _SpecPolicy() if speculative_tokens and speculative_adaptive else None
+        self._last_done: float | None = None  # when the host last read a step's outputs
+        self._prefilled = False  # a prefill chunk was dispatched since the last decode step
         self.cfg, self.params, self.tokenizer = cfg, params, tokenizer
         self.slots, self.max_len, self.prefill_chunk = slots, max_len, prefill_chunk
         self.store, self.checkpoint_interval, self.max_queue = store, checkpoint_interval, max_queue
@@ -276,13 +325,13 @@ class Engine:
 
     def _reset_device(self) -> None:
         self._state = self.calls.init_state(self.cfg, self.slots, self.pool.num_pages, self.pool.page_size, self.dtype,
-                                       mesh=self.params.mesh)
+                                            mesh=self.params.mesh, mtp=self.speculative_tokens > 0)
         self._table = np.full((self.slots, self.pages_per_row), self.pool.num_pages, np.int32)  # P: no page
 
     @property
     def page_bytes(self) -> int:
         """Bytes of one page over every attention layer (k and v)."""
-        return page_bytes(self.cfg, self.pool.page_size, self.dtype)
+        return page_bytes(self.cfg, self.pool.page_size, self.dtype, mtp=self.speculative_tokens > 0)
 
     # --- public API (any thread) ----------------------------------------------------
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
@@ -360,7 +409,11 @@ class Engine:
 
     def shapes(self) -> list[tuple]:
         """Every program the loop runs, as (step name, rows, tokens): what `warmup` compiles."""
-        out = [("decode", r, 1) for r in self.decode_buckets] + [("sample_first", r, 0) for r in self.decode_buckets]
+        k = self.speculative_tokens
+        out = [("spec_decode", r, k + 1) for r in self.decode_buckets] if k else []
+        if not k or self._policy is not None:
+            out += [("decode", r, 1) for r in self.decode_buckets]
+        out += [("sample_first", r, 0) for r in self.decode_buckets]
         t = 16
         while t <= self.prefill_chunk:
             out += [("prefill", r, t) for r in self.prefill_buckets if r * t <= self.prefill_chunk]
@@ -386,6 +439,9 @@ class Engine:
             s = self._state
             if name == "decode":
                 out, s = self.calls.decode(self.params, s, pad(r), table(r), self.cfg, self.implementation)
+            elif name == "spec_decode":
+                out, s = self.calls.spec_decode(self.params, s, pad(r), table(r), self.cfg, self.speculative_tokens,
+                                                self.implementation)
             elif name == "sample_first":
                 out, _, s = self.calls.sample_first(s, pad(r))
             elif name == "prefill":
@@ -616,6 +672,7 @@ class Engine:
             tokens[i, :c] = slot.prompt[slot.pos : slot.pos + c]
             counts[i], last[i] = c, slot.pos + c == len(slot.prompt) and slot.handle.request.max_tokens > 0
         rows = self._rows_array([row for row, _, _ in chosen], self.prefill_buckets)
+        self._prefilled = True
         drawn, _, self._state = self.calls.prefill_chunk(self.params, self._state, rows, tokens, counts,
                                                      self._table_rows(rows), last, self.cfg, self.implementation)
         self.counters["prefill_chunks"] += 1
@@ -669,6 +726,11 @@ class Engine:
             else:
                 copy = []
                 pages = slot.pages[: pages_for(length, size)]
+        if self.speculative_tokens and kind == "response" and int(np.asarray(self._state.lengths)[row]) != length:
+            # The row ran past the response's end (a stop string seen by the host after the
+            # row accepted more drafts): the state at `length` is gone, so no snapshot.
+            self.counters["snapshots_skipped_speculative"] += 1
+            return
         gdn, logits = self.calls.read_row(self._state, row)
         tokens = (list(slot.prompt) + slot.drawn)[:length]
         self.store.insert(tokens, gdn, logits, namespace=slot.handle.request.namespace, kind=kind, pages=pages)
@@ -687,14 +749,23 @@ class Engine:
             return None
         index = next(self._steps)
         arr = self._rows_array(rows, self.decode_buckets)
-        outputs, self._state = self.calls.decode(self.params, self._state, arr, self._table_rows(arr), self.cfg,
-                                            self.implementation)
+        draft = self.speculative_tokens > 0 and (self._policy is None or self._policy.draft(len(arr)))
+        started = time.perf_counter()
+        if draft:
+            outputs, self._state = self.calls.spec_decode(self.params, self._state, arr, self._table_rows(arr), self.cfg,
+                                                          self.speculative_tokens, self.implementation)
+            self.counters["spec_verify_steps"] += 1
+        else:
+            outputs, self._state = self.calls.decode(self.params, self._state, arr, self._table_rows(arr), self.cfg,
+                                                self.implementation)
         slots = [self._rows[r] if r < self.slots else None for r in arr]
         for s in slots:
             if s is not None:
                 s.last_step = index
         self.counters["steps"] += 1
-        return _Step(index, slots, outputs)
+        step = _Step(index, slots, outputs, draft, started, self._prefilled)
+        self._prefilled = False
+        return step
 
     def _drawing_last(self, slot: _Slot) -> bool:
         in_flight = self._inflight is not None and slot.last_step == self._inflight.index
@@ -702,7 +773,10 @@ class Engine:
 
     def _process(self, step: _Step) -> None:
         """Deliver a finished step's tokens (the next step may already be running)."""
+        if step.speculative:
+            return self._process_speculative(step)
         drawn, lengths = step.outputs[0], np.asarray(step.outputs[2])
+        self._timed(step, None)
         for i, slot in enumerate(step.slots):
             if slot is None or slot.finished:
                 continue
@@ -711,6 +785,48 @@ class Engine:
                 self._free(slot)
                 continue
             self._deliver(slot, *_draw_of(drawn, i, slot), int(lengths[i]), moving=slot.last_step > step.index)
+
+    def _process_speculative(self, step: _Step) -> None:
+        """`_process` for a speculative step: each row drew 0 .. K+1 tokens. Those before the
+        last are accepted drafts, already in the row's cache; the last is too when the row went
+        idle (it stopped on a draft), else it is the pending token the next step feeds."""
+        drawn, count, accepted, drafting, lengths, idle = jax.device_get(step.outputs)
+        k = self.speculative_tokens
+        rows = int(drafting.sum())
+        self._timed(step, 1 + int(accepted.sum()) / rows if rows else None)
+        for i, slot in enumerate(step.slots):
+            if slot is None:
+                continue
+            self.counters["spec_drafted_tokens"] += k * int(drafting[i])
+            self.counters["spec_accepted_tokens"] += int(accepted[i])
+            if slot.finished:
+                continue
+            if slot.handle.cancelled.is_set():
+                self._close(slot, "cancelled")
+                self._free(slot)
+                continue
+            c, n = int(count[i]), int(lengths[i])
+            fed = c if idle[i] else c - 1  # tokens drawn this step that the cache now covers
+            want = slot.handle.request.logprobs
+            for j in range(c):
+                lp = ()
+                if want is not None:
+                    top = zip(drawn.top_ids[i, j, :want].tolist(), drawn.top_logprobs[i, j, :want].tolist())
+                    lp = (float(drawn.logprob[i, j]), tuple(top))
+                if j < fed:  # in the cache at position n - fed + j
+                    self._deliver(slot, int(drawn.tokens[i, j]), lp, n - fed + j, moving=True)
+                else:
+                    self._deliver(slot, int(drawn.tokens[i, j]), lp, n, moving=slot.last_step > step.index)
+                if slot.finished:
+                    break
+
+    def _timed(self, step: _Step, gain: float | None) -> None:
+        """Tell the adaptive policy what the step cost (its outputs are on the host now)."""
+        done = time.perf_counter()
+        if self._policy is not None and not step.after_prefill:
+            start = max(step.started, self._last_done) if self._last_done is not None else step.started
+            self._policy.record(step.speculative, len(step.slots), done - start, gain)
+        self._last_done = done
 
     # --- delivery and the end of a request -------------------------------------------------
     def _deliver(self, slot: _Slot, token: int, logprobs: tuple, length: int, moving: bool) -> None:

@@ -17,9 +17,11 @@ step runs); a decode step feeds every active row's pending token and draws the n
 stops drawing by itself (`done`) when it draws one of its stop ids or exhausts its budget; the
 next step feeds that last token and the row goes `idle`, its cache covering every token it
 drew (what its response snapshot needs; the engine spares that step when the budget ended the
-row: the host knew it was coming, and a request arriving next would wait for the step). So a step dispatched before the host has seen the
-previous one never moves a finished row past its end: the host reads step N's tokens while
-step N+1 runs.
+row: the host knew it was coming, and a request arriving next would wait for the step). So a
+step dispatched before the host has seen the previous one never moves a finished row past its
+end: the host reads step N's tokens while step N+1 runs. A speculative engine's step (`spec_decode`) feeds the pending token with K drafts
+and keeps the accepted ones: it may draw several tokens per row, and a row that stops on an
+accepted draft goes idle at once (that draft is already fed).
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ from hybridjax import sharding
 from hybridjax.cache import Cache, GDNState, PagedKV
 from hybridjax.config import FULL, Config
 from hybridjax.generate import Sampler, next_token
-from hybridjax.model import forward
-from hybridjax.sampling import SamplingParams, logprobs_of
+from hybridjax.model import forward, forward_hidden, lm_logits
+from hybridjax.mtp import mtp_hidden
+from hybridjax.sampling import SamplingParams, apply_penalties, logprobs_of
 
 Array = jax.Array
 
@@ -55,6 +58,9 @@ class EngineState:
     done: Array  # [slots] bool: drew a stop id or exhausted its budget: draws no more
     idle: Array  # [slots] bool: nothing pending (a done row's last token has been fed too)
     want_logprobs: Array  # [slots] bool: the request asked for log-probabilities
+    # Speculative engines only (None otherwise, see hybridjax.engine_spec):
+    mtp: PagedKV | None = None  # the MTP layer's KV, in pages of the same ids as the model's
+    hidden: Array | None = None  # [slots, D]: main final-normed hidden state after each row's last token
 
     @property
     def slots(self) -> int:
@@ -68,8 +74,9 @@ def state_shardings(state: EngineState, mesh):
     from jax.sharding import PartitionSpec as P
 
     layers = tuple(sharding.state_specs(s, mesh, 1) for s in state.layers)
-    specs = jax.tree_util.tree_map(lambda _: P(), state.replace(layers=()))
-    return jax.tree_util.tree_map(lambda p: NamedSharding(mesh, p), specs.replace(layers=layers),
+    mtp = None if state.mtp is None else sharding.state_specs(state.mtp, mesh, 1)
+    specs = jax.tree_util.tree_map(lambda _: P(), state.replace(layers=(), mtp=None))
+    return jax.tree_util.tree_map(lambda p: NamedSharding(mesh, p), specs.replace(layers=layers, mtp=mtp),
                                   is_leaf=lambda x: isinstance(x, P))
 
 
@@ -81,10 +88,16 @@ def pin_state(state: EngineState, mesh) -> EngineState:
     return jax.lax.with_sharding_constraint(state, state_shardings(state, mesh))
 
 
-def init_state(cfg: Config, slots: int, num_pages: int, page_size: int, dtype=jnp.float32, mesh=None) -> EngineState:
+def init_state(cfg: Config, slots: int, num_pages: int, page_size: int, dtype=jnp.float32, mesh=None,
+               mtp: bool = False) -> EngineState:
     """Zeros everywhere (every leaf its own buffer: donation needs that); placed on `mesh` when
-    given (`state_shardings`)."""
+    given (`state_shardings`). mtp: with the MTP layer's KV pool and the rows' hidden states
+    (a speculative engine)."""
     state = _zeros_state(cfg, slots, num_pages, page_size, dtype)
+    if mtp:
+        shape = (num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
+        state = state.replace(mtp=PagedKV(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)),
+                              hidden=jnp.zeros((slots, cfg.hidden_size), dtype))
     if not sharding.is_multi_device(mesh):
         return state
     return jax.tree_util.tree_map(jax.device_put, state, state_shardings(state, mesh))
@@ -150,6 +163,24 @@ def _store_rows(state: EngineState, rows: Array, cache: Cache, mask: Array) -> E
     return state.replace(layers=layers, lengths=_put(state.lengths, rows, cache.lengths, mask))
 
 
+def _at(x: Array, idx: Array) -> Array:
+    """x[r, idx[r]] for x [R, T, ...], idx [R]."""
+    return jnp.take_along_axis(x, idx.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]
+
+
+def mtp_pairs(params, state, rows, table, hidden, tokens, starts, counts, cfg, implementation=None) -> PagedKV:
+    """The MTP pool after writing the pairs (h_{p-1}, x_p) of tokens x_starts .. (counts [R] of
+    tokens [R, T], main hidden states hidden [R, T, D] after each). The pair that predicts from
+    x_p's position is kept at position p, not p - 1 (vLLM keeps it at p - 1): then a row writes
+    MTP keys only where it writes the model's keys, at or past its length, and a full page stays
+    full in both pools (RoPE is relative, so the shift changes no score). Position 0 holds the
+    pair (0, x_0) (`state.hidden` of a fresh row is zeros)."""
+    prev = jnp.concatenate([_take(state.hidden, rows)[:, None].astype(hidden.dtype), hidden[:, :-1]], axis=1)
+    valid = jnp.arange(tokens.shape[1])[None, :] < counts[:, None]
+    _, pool = mtp_hidden(params, prev, tokens, state.mtp.replace(table=table), starts, cfg, valid, implementation)
+    return pool.replace(table=None)
+
+
 @struct.dataclass
 class Drawn:
     """A step's draws: tokens [R] (-1 where none was drawn) and, when a row asked, the
@@ -167,7 +198,9 @@ def _logprobs(logits: Array, sampler: Sampler, tok: Array, want: Array):
     (a vocabulary-wide top-k is not free)."""
     def compute(_):
         lp = logprobs_of(logits, sampler.params, sampler.seen, sampler.out_counts)
-        top_lp, top_ids = jax.lax.top_k(lp, MAX_TOP_LOGPROBS)
+        top_lp, top_ids = jax.lax.top_k(lp, min(MAX_TOP_LOGPROBS, lp.shape[-1]))
+        pad = ((0, 0), (0, MAX_TOP_LOGPROBS - top_lp.shape[-1]))  # a vocabulary smaller than 20 (test models)
+        top_lp, top_ids = jnp.pad(top_lp, pad, constant_values=-jnp.inf), jnp.pad(top_ids, pad)
         return jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_lp
 
     r = logits.shape[0]
@@ -197,9 +230,18 @@ def _prefill(params, state, rows, tokens, counts, table, last, cfg, implementati
     """Run a chunk of each row's prompt (tokens [R, T], counts [R] real); rows whose prompt ends
     here (`last`) draw their first token. Returns (Drawn, done [R], state)."""
     cache = _rows_cache(state, rows, table)
-    logits, cache = forward(params, tokens, cache, cfg, token_counts=counts, last_logits_only=True,
-                            implementation=implementation)
     live = counts > 0
+    if state.hidden is None:
+        logits, cache = forward(params, tokens, cache, cfg, token_counts=counts, last_logits_only=True,
+                                implementation=implementation)
+    else:  # a speculative engine: the MTP layer's KV follows the prompt too
+        hidden, new = forward_hidden(params, tokens, cache, cfg, token_counts=counts, implementation=implementation)
+        h_end = _at(hidden, jnp.maximum(counts - 1, 0))  # [R, D]
+        logits = lm_logits(params, h_end)[:, None]
+        state = state.replace(mtp=mtp_pairs(params, state, rows, table, hidden, tokens, cache.lengths, counts, cfg,
+                                            implementation),
+                              hidden=_put(state.hidden, rows, h_end.astype(state.hidden.dtype), live))
+        cache = new
     state = _store_rows(state, rows, cache, live)
     state = state.replace(logits=_put(state.logits, rows, logits[:, 0], live))
     drawn, state = _draw(state, rows, logits[:, 0], last & live)
@@ -214,13 +256,138 @@ def _decode(params, state, rows, table, cfg, implementation=None):
     feed = (rows < state.slots) & ~_take(state.idle, rows)
     draw = feed & ~_take(state.done, rows)
     cache = _rows_cache(state, rows, table)
-    logits, cache = forward(params, _take(state.pending, rows)[:, None], cache, cfg, token_counts=feed.astype(jnp.int32),
-                            implementation=implementation)
+    tokens = _take(state.pending, rows)[:, None]
+    if state.hidden is None:
+        logits, cache = forward(params, tokens, cache, cfg, token_counts=feed.astype(jnp.int32),
+                                implementation=implementation)
+    else:  # a speculative engine's plain step: the MTP pair (h_{n-1}, t0) and the hidden state follow
+        hidden, new = forward_hidden(params, tokens, cache, cfg, token_counts=feed.astype(jnp.int32),
+                                     implementation=implementation)
+        logits = lm_logits(params, hidden)
+        state = state.replace(mtp=mtp_pairs(params, state, rows, table, hidden, tokens, cache.lengths,
+                                            feed.astype(jnp.int32), cfg, implementation),
+                              hidden=_put(state.hidden, rows, hidden[:, 0].astype(state.hidden.dtype), feed))
+        cache = new
     state = _store_rows(state, rows, cache, feed)
     state = state.replace(logits=_put(state.logits, rows, logits[:, 0], feed),
                           idle=_put(state.idle, rows, feed & ~draw, feed & ~draw))
     drawn, state = _draw(state, rows, logits[:, 0], draw)
     return (drawn, _take(state.done, rows), _take(state.lengths, rows)), pin_state(state, params.mesh)
+
+
+@struct.dataclass
+class SpecDrawn:
+    """A speculative step's draws: up to K + 1 tokens per row [R, K+1] (-1 past the row's count)
+    and their log-probabilities as in `Drawn` ([R, K+1], [R, K+1, 20] x 2)."""
+
+    tokens: Array
+    logprob: Array
+    top_ids: Array
+    top_logprobs: Array
+
+
+def _spec_decode(params, state, rows, table, cfg, k, implementation=None):
+    """A decode step with k drafts (hybridjax.speculative's step, for rows of the pool): feed
+    each row's pending token t0 with k drafts of the MTP head, verify them in one forward of
+    k + 1 tokens, accept the longest passing prefix (greedy: the argmax; sampling: Leviathan et
+    al.'s rejection rule, `speculative.judge`) and draw the next pending token (the residual of
+    a rejection, else a plain draw after the last draft). The GDN state after the last accepted
+    token is picked from the verify pass's per-token states; the keys of rejected drafts lie
+    past the row's new length, invisible, and are overwritten later.
+
+    A row that is done (on the device) only gets its last token fed, as in `_decode`; a row
+    that accepts a stop id or exhausts its budget on a draft stops there (that draft is fed: it
+    goes idle at once). Returns ((SpecDrawn, count [R] tokens drawn, accepted [R] drafts,
+    drafting [R] rows that drafted, lengths [R] after the step, idle [R]), state)."""
+    from hybridjax import speculative as spec
+
+    r = rows.shape[0]
+    feed = (rows < state.slots) & ~_take(state.idle, rows)
+    drafting = feed & ~_take(state.done, rows)
+    n, t0 = _take(state.lengths, rows), _take(state.pending, rows)
+    sampler = jax.tree_util.tree_map(lambda x: _take(x, rows), state.sampler)
+    sp, stops, want = sampler.params, _take(state.stops, rows), drafting & _take(state.want_logprobs, rows)
+
+    # 1. drafts: the pair (h_{n-1}, t0) at position n, then the head's own output with each draft
+    pool = state.mtp.replace(table=table)
+    out, pool = mtp_hidden(params, _take(state.hidden, rows)[:, None], t0[:, None], pool, n, cfg, feed[:, None],
+                           implementation)
+    d, q = spec.draft_token(lm_logits(params, out[:, 0]), sp, spec._keys(sampler, spec._DRAFT))
+
+    def more(carry, j):
+        h, d, pool = carry
+        h, pool = mtp_hidden(params, h[:, None], d[:, None], pool, n + 1 + j, cfg, drafting[:, None], implementation)
+        d, q = spec.draft_token(lm_logits(params, h[:, 0]), sp, spec._keys(sampler, spec._DRAFT + 1 + j))
+        return (h[:, 0], d, pool), (d, q)
+
+    (_, _, pool), (ds, qs) = jax.lax.scan(more, (out[:, 0], d, pool), jnp.arange(k - 1))
+    drafts = jnp.concatenate([d[:, None], jnp.moveaxis(ds, 0, 1)], axis=1)  # [R, K]
+    qs = jnp.concatenate([q[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)  # [R, K, vocab]
+
+    # 2. verify [t0, d_1 .. d_k] in one forward, keeping the GDN state after every token
+    fed = jnp.concatenate([t0[:, None], drafts], axis=1)  # [R, K+1]
+    counts = jnp.where(drafting, k + 1, feed.astype(jnp.int32))
+    cache = _rows_cache(state, rows, table)
+    hidden, every = forward_hidden(params, fed, cache, cfg, token_counts=counts, implementation=implementation,
+                                   all_states=True)
+    logits = lm_logits(params, hidden)  # [R, K+1, vocab]
+
+    # 3. judge the drafts in order (penalties see the accepted ones), as speculative.spec_step
+    def judge_next(carry, xs):
+        s, n_acc, forced, going, ended, budget = carry
+        target, d, q = xs
+        pen = apply_penalties(target, s.params, s.seen, s.out_counts)
+        ok, resid = spec.judge(pen, d, q, s.params, spec._keys(s, spec._ACCEPT), spec._keys(s, spec._RESIDUAL))
+        acc, rej = going & ok, going & ~ok
+        lp = _logprobs(target, s, d, acc & want)
+        s, budget = spec._record(s, d, acc), budget - acc
+        end = acc & (jnp.any(d[:, None] == stops, axis=-1) | (budget <= 0))
+        return (s, n_acc + acc, jnp.where(rej, resid, forced), acc & ~end, ended | end, budget), lp
+
+    zeros = jnp.zeros((r,), jnp.int32)
+    init = (sampler, zeros, jnp.full((r,), -1, jnp.int32), drafting, jnp.zeros((r,), bool), _take(state.budget, rows))
+    xs = (jnp.moveaxis(logits[:, :k], 1, 0), drafts.T, jnp.moveaxis(qs, 1, 0))
+    (sampler, n_acc, forced, _, ended, budget), lps = jax.lax.scan(judge_next, init, xs)
+
+    # 4. the next pending token: a rejection's residual, else a plain draw after the last draft
+    n_fed = jnp.where(drafting, n_acc + 1, feed.astype(jnp.int32))
+    last_logits = _at(logits, jnp.maximum(n_fed - 1, 0))
+    draw = drafting & ~ended
+    rejected = forced >= 0
+    plain, plain_sampler = next_token(last_logits, sampler)
+    tok = jnp.where(rejected, forced, plain)
+    lp_last = _logprobs(last_logits, sampler, tok, draw & want)
+    recorded = spec._record(sampler, jnp.maximum(forced, 0), draw & rejected)
+    sampler = jax.tree_util.tree_map(
+        lambda a, b: jnp.where((draw & ~rejected).reshape((-1,) + (1,) * (a.ndim - 1)), a, b), plain_sampler, recorded)
+    budget = budget - draw
+    stopped = draw & (jnp.any(tok[:, None] == stops, axis=-1) | (budget <= 0))
+    done = _take(state.done, rows) | ended | stopped
+    idle = ~drafting | ended  # the row's last drawn token is in its cache
+
+    # 5. the state after the last accepted token; the MTP pairs of the accepted drafts
+    # (h_{n+j}, d_{j+1}) at positions n+1+j, replacing the drafting pass's own pairs
+    state = _store_rows(state, rows, spec.take_position(every, cache, n_fed), feed)
+    accepted = drafting[:, None] & (jnp.arange(k)[None, :] < n_acc[:, None])
+    _, pool = mtp_hidden(params, hidden[:, :k], drafts, pool, n + 1, cfg, accepted, implementation)
+    state = state.replace(
+        mtp=pool.replace(table=None),
+        hidden=_put(state.hidden, rows, _at(hidden, jnp.maximum(n_fed - 1, 0)).astype(state.hidden.dtype), feed),
+        logits=_put(state.logits, rows, last_logits, feed),
+        sampler=jax.tree_util.tree_map(lambda x, y: _put(x, rows, y, drafting), state.sampler, sampler),
+        pending=_put(state.pending, rows, tok, draw), budget=_put(state.budget, rows, budget, drafting),
+        done=_put(state.done, rows, done, feed), idle=_put(state.idle, rows, idle, feed))
+
+    # what the host reads: drafts 1 .. n_acc, then the pending token when one was drawn
+    cols = jnp.arange(k + 1)[None, :]
+    last_col = cols == n_acc[:, None]
+    tokens = jnp.where(cols < n_acc[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), -1)
+    tokens = jnp.where(last_col & draw[:, None], tok[:, None], tokens)
+    lps = [jnp.concatenate([jnp.moveaxis(a, 0, 1), b[:, None]], axis=1) for a, b in zip(lps, lp_last)]
+    lps = [jnp.where(last_col.reshape(last_col.shape + (1,) * (a.ndim - 2)), b[:, None], a)
+           for a, b in zip(lps, lp_last)]
+    out = (SpecDrawn(tokens, *lps), n_acc + draw, n_acc, drafting, _take(state.lengths, rows), idle | ~feed)
+    return out, pin_state(state, params.mesh)
 
 
 def _sample_first(state, rows):
@@ -243,6 +410,9 @@ def _setup_row(state, row, gdn, logits, length, sp: SamplingParams, seed, seen, 
             continue
         src = next(snap) if gdn is not None else jax.tree_util.tree_map(lambda x: jnp.zeros((1,) + x.shape[1:], x.dtype), s)
         layers.append(jax.tree_util.tree_map(lambda x, y: _put(x, rows, y.astype(x.dtype)), s, src))
+    if state.hidden is not None:  # a snapshot of a speculative engine ends with the hidden state [1, D]
+        h = gdn[-1] if gdn is not None else jnp.zeros((1,) + state.hidden.shape[1:], state.hidden.dtype)
+        state = state.replace(hidden=_put(state.hidden, rows, h.astype(state.hidden.dtype)))
     sampler = Sampler(sp, jax.random.PRNGKey(seed)[None], jnp.zeros((1,), jnp.int32), seen[None],
                       jnp.zeros((1, seen.shape[0]), jnp.int32))
     state = state.replace(
@@ -257,10 +427,24 @@ def _setup_row(state, row, gdn, logits, length, sp: SamplingParams, seed, seen, 
 
 
 def _read_row(state, row):
-    """A copy of row `row`'s GDN states (a tuple of batch-of-one GDNStates) and logits [vocab]."""
+    """A copy of row `row`'s GDN states (a tuple of batch-of-one GDNStates; in a speculative
+    engine followed by its hidden state [1, D]) and logits [vocab]."""
     gdn = tuple(jax.tree_util.tree_map(lambda x: jax.lax.dynamic_slice_in_dim(x, row, 1), s)
                 for s in state.layers if isinstance(s, GDNState))
+    if state.hidden is not None:
+        gdn += (jax.lax.dynamic_slice_in_dim(state.hidden, row, 1),)
     return gdn, state.logits[row]
+
+
+def _pools(state) -> list:
+    """Every page pool: the attention layers', then the MTP layer's (a speculative engine)."""
+    return [s for s in state.layers if isinstance(s, PagedKV)] + ([state.mtp] if state.mtp is not None else [])
+
+
+def _with_pools(state, pools) -> EngineState:
+    pools = iter(pools)
+    layers = tuple(next(pools) if isinstance(s, PagedKV) else s for s in state.layers)
+    return state.replace(layers=layers, mtp=next(pools) if state.mtp is not None else None)
 
 
 def _copy_page(state, src, dst):
@@ -268,31 +452,25 @@ def _copy_page(state, src, dst):
     def copy(x):
         return x.at[dst].set(x.at[src].get(mode="clip"), mode="drop")
 
-    layers = tuple(s.replace(k=copy(s.k), v=copy(s.v)) if isinstance(s, PagedKV) else s for s in state.layers)
-    return state.replace(layers=layers)
+    return _with_pools(state, [s.replace(k=copy(s.k), v=copy(s.v)) for s in _pools(state)])
 
 
 def _read_pages(state, ids):
-    """(k, v) of pages `ids` [n] in every attention layer: tuples of [n, S, Hkv, Dh] (persistence)."""
-    kv = [s for s in state.layers if isinstance(s, PagedKV)]
+    """(k, v) of pages `ids` [n] in every pool (`_pools`): tuples of [n, S, Hkv, Dh] (persistence)."""
+    kv = _pools(state)
     return tuple(s.k[ids] for s in kv), tuple(s.v[ids] for s in kv)
 
 
 def _write_pages(state, ids, ks, vs):
-    """Pages `ids` [n] := ks, vs (tuples over attention layers of [n, S, Hkv, Dh])."""
-    kv = iter(zip(ks, vs))
-    layers = []
-    for s in state.layers:
-        if isinstance(s, PagedKV):
-            k, v = next(kv)
-            s = s.replace(k=s.k.at[ids].set(k.astype(s.k.dtype)), v=s.v.at[ids].set(v.astype(s.v.dtype)))
-        layers.append(s)
-    return state.replace(layers=tuple(layers))
+    """Pages `ids` [n] := ks, vs (tuples over the pools, `_pools`, of [n, S, Hkv, Dh])."""
+    return _with_pools(state, [s.replace(k=s.k.at[ids].set(k.astype(s.k.dtype)), v=s.v.at[ids].set(v.astype(s.v.dtype)))
+                               for s, k, v in zip(_pools(state), ks, vs)])
 
 
 _donating = functools.partial(jax.jit, donate_argnames="state")
 prefill_chunk = _donating(_prefill, static_argnames=("cfg", "implementation"))
 decode = _donating(_decode, static_argnames=("cfg", "implementation"))
+spec_decode = _donating(_spec_decode, static_argnames=("cfg", "k", "implementation"))
 sample_first = _donating(_sample_first)
 setup_row = _donating(_setup_row)
 copy_page = _donating(_copy_page)

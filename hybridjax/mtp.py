@@ -55,8 +55,11 @@ def mtp_forward(
     return lm_logits(params, out), out, state
 
 
-def mtp_hidden(params: Params, hidden: Array, next_tokens: Array, state: KVState, starts: Array, cfg: Config):
-    """`mtp_forward` without the LM head: (final-normed hidden [B, T, D], new KV state)."""
+def mtp_hidden(params: Params, hidden: Array, next_tokens: Array, state: KVState, starts: Array, cfg: Config,
+               valid: Array | None = None, implementation: str | None = None):
+    """`mtp_forward` without the LM head: (final-normed hidden [B, T, D], new KV state).
+    valid [B, T] (optional): positions whose keys are written (the engine's page pool drops the
+    rest); implementation: attention over a page pool (see `hybridjax.model.forward`)."""
     p = params.mtp
     if p is None:
         raise ValueError("mtp_forward: these params have no MTP head (params.mtp is None)")
@@ -65,6 +68,7 @@ def mtp_hidden(params: Params, hidden: Array, next_tokens: Array, state: KVState
         e = ops.rms_norm(params.embed[next_tokens], p.pre_fc_norm_embedding, eps)  # [B, T, D]
         h = ops.rms_norm(hidden.astype(e.dtype), p.pre_fc_norm_hidden, eps)
         x = ops.dense(jnp.concatenate([e, h], axis=-1), p.fc)  # [B, T, 2D] @ [2D, D]
-        valid = jnp.ones(next_tokens.shape, bool)  # the layer is attention: valid only matters to GDN
-        x, state = decoder_layer(p.layer, x, state, starts, valid, cfg)
+        if valid is None:  # the layer is attention: valid only decides which keys are written
+            valid = jnp.ones(next_tokens.shape, bool)
+        x, state = decoder_layer(p.layer, x, state, starts, valid, cfg, implementation)
         return ops.rms_norm(x, p.norm, eps), state

@@ -28,9 +28,10 @@ from hybridjax.config import FULL
 DEFAULT_PAGE_SIZE = 64
 
 
-def page_bytes(cfg, page_size: int, dtype) -> int:
-    """Bytes of one page over every attention layer (k and v)."""
-    n_attn = sum(t == FULL for t in cfg.layer_types)
+def page_bytes(cfg, page_size: int, dtype, mtp: bool = False) -> int:
+    """Bytes of one page over every attention layer (k and v); mtp: and the MTP layer's (a
+    speculative engine keeps its KV in pages of the same ids)."""
+    n_attn = sum(t == FULL for t in cfg.layer_types) + int(mtp)
     return 2 * n_attn * page_size * cfg.num_key_value_heads * cfg.head_dim * np.dtype(dtype).itemsize
 
 

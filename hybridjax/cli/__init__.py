@@ -275,7 +275,8 @@ def cmd_serve(args) -> int:
         cache_dir=args.prefix_cache_dir, api_key=args.api_key, page_size=args.page_size, kv_pages=args.kv_pages, kv_mb=args.kv_mb,
         prefill_chunk=args.prefill_chunk, warmup=not args.no_warmup,
         api_keys=read_api_keys(args.api_key_file) if args.api_key_file else (),
-        max_body_bytes=int(args.max_body_mb * 2**20),
+        max_body_bytes=int(args.max_body_mb * 2**20), speculative_tokens=args.speculative_tokens,
+        speculative_adaptive=args.speculative_adaptive,
     )
     multi = (args.num_processes or 1) > 1
     if multi and not args.mesh:
@@ -283,6 +284,9 @@ def cmd_serve(args) -> int:
     if multi and args.prefix_cache_dir:
         # Saving reads sharded KV pages into process 0's host alone (docs/sharding.md).
         raise CLIError("--prefix-cache-dir is not supported across processes")
+    if multi and args.speculative_tokens:
+        # The speculative step is not among the steps followers replay (hybridjax.multihost).
+        raise CLIError("--speculative-tokens is not supported across processes")
     init_distributed(args)
     use_compile_cache(args.compile_cache_dir, not args.no_compile_cache)
     import logging
@@ -354,6 +358,12 @@ def _add_serve(sub) -> None:
     p.add_argument("--prefill-chunk", type=_power_of_two, default=256,
                    help="prompt tokens per engine step; running streams decode between chunks")
     p.add_argument("--no-warmup", action="store_true", help="do not compile every shape before serving")
+    p.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                   help="draft K tokens (1-4) per decode step with the model's MTP head, verify them in one "
+                        "forward (greedy output unchanged; needs mtp.* weights)")
+    p.add_argument("--speculative-adaptive", action="store_true",
+                   help="plain steps while the measured step times and acceptance say drafting does not pay "
+                        "(default: draft on every step; adaptive makes seeded sampling depend on timing)")
     _add_mesh_args(p)
     _add_compile_cache(p)
     p.set_defaults(func=cmd_serve)

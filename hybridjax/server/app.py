@@ -66,6 +66,8 @@ class ServerConfig:
     prefill_chunk: int = 256
     warmup: bool = True  # compile every shape before serving
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get a 413
+    speculative_tokens: int = 0  # K drafts of the MTP head per decode step (0: plain decoding)
+    speculative_adaptive: bool = False  # plain steps while drafting does not pay (engine._SpecPolicy)
 
 
 class APIError(Exception):
@@ -86,14 +88,18 @@ def build_engine(sc: ServerConfig, cfg, params, tokenizer, name: str, calls=None
     max_len = min(sc.max_len, cfg.max_position_embeddings)
     store = None
     if sc.prefix_cache:
-        store = SnapshotStore(model_identity(name, cfg, params), max_bytes=int(sc.cache_mb * 2**20),
+        # A speculative engine's snapshots carry a hidden state more: their files are kept apart.
+        ident = model_identity(name, cfg, params) + ("-mtp" if sc.speculative_tokens else "")
+        store = SnapshotStore(ident, max_bytes=int(sc.cache_mb * 2**20),
                               max_entries=sc.cache_entries, ttl_s=sc.cache_ttl_s)
     num_pages = sc.kv_pages
     if num_pages is None and sc.kv_mb is not None:
-        num_pages = max(1, int(sc.kv_mb * 2**20 // page_bytes(cfg, sc.page_size, params.embed.dtype)))
+        num_pages = max(1, int(sc.kv_mb * 2**20 // page_bytes(cfg, sc.page_size, params.embed.dtype,
+                                                                mtp=sc.speculative_tokens > 0)))
     engine = Engine(cfg, params, tokenizer, slots=sc.slots, max_len=max_len, store=store,
                     checkpoint_interval=sc.checkpoint_interval, max_queue=sc.max_queue, page_size=sc.page_size,
-                    num_pages=num_pages, prefill_chunk=sc.prefill_chunk, calls=calls)
+                    num_pages=num_pages, prefill_chunk=sc.prefill_chunk, speculative_tokens=sc.speculative_tokens,
+                    speculative_adaptive=sc.speculative_adaptive, calls=calls)
     return engine, store
 
 

@@ -45,6 +45,8 @@ class _Collector:
             c = CounterMetricFamily(f"hybridjax_{name}", help_)
             c.add_metric([], e.counters.get(name, 0))
             yield c
+        if getattr(e, "speculative_tokens", 0):
+            yield from _speculative(e)
         if e.store is None:
             return
         stats = e.store.stats()
@@ -65,6 +67,29 @@ class _Collector:
             g = GaugeMetricFamily(f"hybridjax_prefix_cache_{name}", f"snapshot {name} held")
             g.add_metric([], value)
             yield g
+
+
+def _speculative(e):
+    """Speculative decoding: counters, and the two ratios a dashboard wants (acceptance rate =
+    accepted / drafted; mean accepted length = tokens a row gains per verify, accepted drafts + 1)."""
+    drafted, accepted = e.counters.get("spec_drafted_tokens", 0), e.counters.get("spec_accepted_tokens", 0)
+    rows = drafted // e.speculative_tokens  # row-steps that drafted
+    for name, value, help_ in (("drafted_tokens", drafted, "tokens drafted by the MTP head"),
+                               ("accepted_tokens", accepted, "drafted tokens the model accepted"),
+                               ("verify_steps", e.counters.get("spec_verify_steps", 0), "batched verify steps"),
+                               ("verify_rows", rows, "rows verified (each drafted K tokens)"),
+                               ("snapshots_skipped", e.counters.get("snapshots_skipped_speculative", 0),
+                                "response snapshots skipped: the row ran past a host-side stop")):
+        c = CounterMetricFamily(f"hybridjax_speculative_{name}", help_)
+        c.add_metric([], value)
+        yield c
+    for name, value, help_ in (("tokens", e.speculative_tokens, "drafts per step (K)"),
+                               ("acceptance_rate", accepted / drafted if drafted else 0.0, "accepted / drafted tokens"),
+                               ("mean_accepted_length", 1 + accepted / rows if rows else 0.0,
+                                "tokens a drafting row gains per verify step (accepted drafts + 1)")):
+        g = GaugeMetricFamily(f"hybridjax_speculative_{name}", help_)
+        g.add_metric([], value)
+        yield g
 
 
 def render_metrics(engine) -> str:
