@@ -302,6 +302,9 @@ class Engine:
         self.slots, self.max_len, self.prefill_chunk = slots, max_len, prefill_chunk
         self.store, self.checkpoint_interval, self.max_queue = store, checkpoint_interval, max_queue
         self.calls = steps if calls is None else calls
+        if speculative_tokens and not hasattr(self.calls, "spec_decode"):
+            raise ValueError("speculative decoding is not available with these engine calls "
+                             "(serving across processes replays plain decode steps only)")
         self.pages_per_row = pages_for(max_len, page_size)
         self.pool = PagePool(num_pages or 2 * slots * self.pages_per_row, page_size)
         self.dtype = params.embed.dtype
@@ -524,7 +527,16 @@ class Engine:
         if self.store is not None:
             self.store.clear()
         self.pool.reset()
-        self._reset_device()
+        try:
+            self._reset_device()
+        except Exception:  # no device state to serve from (e.g. a follower process is gone): stop
+            log.exception("the engine cannot reset its device state and stops")
+            with self._wake:
+                self._running = False
+                waiting, self._waiting = list(self._waiting), deque()
+            for h in waiting:
+                h.finish_reason = "error"
+                h._emit(Event(None, "", "error"))
 
     # --- admission ------------------------------------------------------------------------
     def _admit(self) -> None:

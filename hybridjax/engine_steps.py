@@ -58,7 +58,7 @@ class EngineState:
     done: Array  # [slots] bool: drew a stop id or exhausted its budget: draws no more
     idle: Array  # [slots] bool: nothing pending (a done row's last token has been fed too)
     want_logprobs: Array  # [slots] bool: the request asked for log-probabilities
-    # Speculative engines only (None otherwise, see hybridjax.engine_spec):
+    # Speculative engines only (None otherwise; spec_decode below):
     mtp: PagedKV | None = None  # the MTP layer's KV, in pages of the same ids as the model's
     hidden: Array | None = None  # [slots, D]: main final-normed hidden state after each row's last token
 

@@ -358,7 +358,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--prefill-chunk", type=_power_of_two, default=256,
                    help="prompt tokens per engine step; running streams decode between chunks")
     p.add_argument("--no-warmup", action="store_true", help="do not compile every shape before serving")
-    p.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+    p.add_argument("--speculative-tokens", type=int, default=0, metavar="K", choices=range(5),
                    help="draft K tokens (1-4) per decode step with the model's MTP head, verify them in one "
                         "forward (greedy output unchanged; needs mtp.* weights)")
     p.add_argument("--speculative-adaptive", action="store_true",

@@ -24,6 +24,7 @@ import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import jax
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
@@ -470,6 +471,10 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
         echo = ((req.prompt if isinstance(req.prompt, str) else await asyncio.to_thread(tok.decode, prompt_ids))
                 if req.echo else "")
         echo_lp = None
+        if echo and req.logprobs is not None and jax.process_count() > 1:
+            # Scoring runs beside the engine; across processes the followers would not take part.
+            raise APIError(400, "invalid parameter 'echo': echo with logprobs is not supported when serving "
+                           "across processes", param="echo")
         if echo and req.logprobs is not None:  # the prompt's own tokens, scored as generated ones are
             sp = sampling_params(1, temperature=req.temperature, repetition_penalty=req.repetition_penalty)
             scores = await asyncio.to_thread(prompt_logprobs, engine.params, prompt_ids, engine.cfg, sp, req.logprobs)
