@@ -30,8 +30,9 @@ vocab 32000, untied head, 228 M params; built once into --model-dir if absent). 
            max |logit diff| / max |logit|, and how often the argmax differs (a bf16 near-tie
            flip), with the float32 top-1 / top-2 margins where it does; then free-running
            greedy: leading tokens equal, per prompt.
-  llama    with --llama-bench and --gguf (repeatable): `llama-bench -p 0 -n 128 -d 128 -t 2 -r 3`,
-           run after our timings, in the same process tree, tok/s (avg +- stdev).
+  llama    with --llama-bench and --gguf (repeatable; benchmarks/make_gguf.py makes them):
+           `llama-bench -p 0 -n 128 -d 128 -t 2 -r 1` once per GGUF in every decode round, after
+           our modes, so load drift hits both alike; the median over rounds (and their range).
 
 The load average is printed before and after: on a shared machine figures are noisy, and the
 ratios within one run are what to quote.
@@ -173,22 +174,29 @@ class Mode:
         return np.stack(out)
 
 
-def run_decode(a, modes: dict, prompt) -> dict:
+def run_decode(a, modes: dict, prompt) -> tuple[dict, list[dict]]:
+    """Our modes' decode, and llama-bench's (one repetition per GGUF) in the same rounds, so
+    that load drift on a shared machine hits both alike."""
     n = a.new_tokens
     for m in modes.values():  # compile both lengths
         m.generate(prompt, n)
         m.generate(prompt, 1)
     times = {name: {"n": [], "one": []} for name in modes}
+    llama_runs = {g: [] for g in (a.gguf if a.llama_bench else [])}
     for r in range(a.repeats):
         for name, m in modes.items():
             times[name]["n"] += median_time(lambda: m.generate(prompt, n), 1)
             times[name]["one"] += median_time(lambda: m.generate(prompt, 1), 1)
+        for g, runs in llama_runs.items():
+            runs.append(llama_bench(a.llama_bench, g, a.threads, n, a.prompt))
         print(f"  round {r + 1}/{a.repeats} (load {loadavg()})", file=sys.stderr, flush=True)
     out = {}
     for name, t in times.items():
         per_token = (statistics.median(t["n"]) - statistics.median(t["one"])) / (n - 1)
         out[name] = {"s_per_token": per_token, "tok_s": 1 / per_token, "raw": t}
-    return out
+    llama = [{**runs[0], "tok_s": statistics.median(r["tok_s"] for r in runs),
+              "rounds": [r["tok_s"] for r in runs]} for runs in llama_runs.values()]
+    return out, llama
 
 
 def step_times(modes: dict, prompt, rounds: int, steps: int, bound_size: int) -> dict:
@@ -296,8 +304,9 @@ def print_step_table(steps: dict, wbytes: dict, f32_bytes: int) -> None:
 
 
 def llama_bench(binary: str, gguf: str, threads: int, n: int, depth: int) -> dict:
-    """tg<n> after a <depth>-token context (-d), as our decode runs after the prompt."""
-    cmd = [binary, "-m", gguf, "-p", "0", "-n", str(n), "-d", str(depth), "-t", str(threads), "-r", "3", "-o", "json"]
+    """tg<n> after a <depth>-token context (-d), as our decode runs after the prompt; one
+    repetition (run_decode calls it once per round)."""
+    cmd = [binary, "-m", gguf, "-p", "0", "-n", str(n), "-d", str(depth), "-t", str(threads), "-r", "1", "-o", "json"]
     res = subprocess.run(cmd, capture_output=True, text=True, check=True)
     rows = json.loads(res.stdout)
     row = next(r for r in rows if r.get("n_gen") == n)
@@ -366,14 +375,13 @@ def main(argv=None) -> int:
         modes[name] = Mode(name, params, cfg, use_kernel, threads)
     prompt = bench_generate.prompt_tokens(a.prompt).tolist()
     print(f"decode, {len(modes)} modes x {a.repeats} rounds ...", file=sys.stderr, flush=True)
-    dec = run_decode(a, modes, prompt)
+    dec, llama = run_decode(a, modes, prompt)
     steps = step_times(modes, prompt, a.step_rounds, 4, 4096 if a.quick else 8192) if a.step_rounds else None
     acc = None
     if "f32-kernel" in modes and "bf16-kernel" in modes:
         prompts = [prompt] + [bench_generate.prompt_tokens(a.prompt + i).tolist() for i in range(1, a.agree_prompts)]
         print(f"bf16 vs f32 agreement over {len(prompts)} prompts ...", file=sys.stderr, flush=True)
         acc = accuracy_over_prompts(modes["f32-kernel"], modes["bf16-kernel"], prompts, a.new_tokens)
-    llama = [llama_bench(a.llama_bench, g, a.threads, a.new_tokens, a.prompt) for g in a.gguf] if a.llama_bench else []
     load1 = loadavg()
 
     cfg = next(iter(loaded.values()))[0]
@@ -400,7 +408,7 @@ def main(argv=None) -> int:
               f"{d['tok_s'] / bound_tok_s:.2f} | {rel} |")
     for r in llama:
         rel = f"{r['tok_s'] / base:.2f}x" if base else "-"
-        print(f"| llama.cpp {Path(r['gguf']).name} | {r['tok_s']:.1f} +- {r['stdev']:.1f} | "
+        print(f"| llama.cpp {Path(r['gguf']).name} | {r['tok_s']:.1f} (rounds {min(r['rounds']):.1f}-{max(r['rounds']):.1f}) | "
               f"{1e3 / r['tok_s']:.2f} | - | {r['tok_s'] / bound_tok_s:.2f} | {rel} |")
     if steps:
         print_step_table(steps, wbytes, f32_bytes)
