@@ -342,6 +342,72 @@ def matmul_packed(x, p, n: int, *, isa: str | None = None, max_threads: int | No
     return _matmul_packed(x, p, int(n), _isa_code(isa), int(max_threads), int(tile_cols), int(k_slices))
 
 
+@jax.tree_util.register_pytree_node_class
+class PackedWeight:
+    """A bfloat16 weight [K, N] kept twice: `w` as is (prefill's XLA matmuls, and any other
+    reader) and `panels = pack_bf16(w)` (decode's `matmul_packed`). `hybridjax.ops.dense` takes
+    it in place of w. Costs a second copy of the weight (a bf16 model then holds as many bytes
+    as a float32 one); buys a faster decode (benchmarks/README.md)."""
+
+    def __init__(self, w, panels):
+        self.w, self.panels = w, panels
+
+    @property
+    def shape(self):
+        return self.w.shape
+
+    @property
+    def dtype(self):
+        return self.w.dtype
+
+    @property
+    def ndim(self):
+        return self.w.ndim
+
+    def tree_flatten(self):
+        return (self.w, self.panels), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
+
+    def __repr__(self):
+        return f"PackedWeight(shape={self.shape}, dtype={self.dtype})"
+
+
+# The projections `hybridjax.ops.dense` reads, by parameter name (not the tied embedding: it is
+# also a lookup table, and its head reads rows in place already; not experts: 3-d).
+DENSE_WEIGHTS = frozenset({
+    "in_qkv", "in_z", "in_b", "in_a", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate", "up", "down",
+    "shared_gate", "router", "lm_head", "fc"})
+
+
+def pack_params(params, force: bool = False):
+    """params with every bfloat16 [K, N] projection (DENSE_WEIGHTS) as a `PackedWeight`, so the
+    decode path streams packed panels. Run once, when the params are placed (single device).
+
+    Does nothing (returns params) unless this CPU has the avx512bf16 path and the kernel is
+    enabled: elsewhere packed panels would be read by the slow plain-C++ fallback. `force`
+    packs anyway (tests of the fallback)."""
+    if not force and not (enabled() and best_isa() == "avx512bf16"):
+        return params
+
+    def pack(path, leaf):
+        name = getattr(path[-1], "name", None) if path else None
+        if (name in DENSE_WEIGHTS and not isinstance(leaf, PackedWeight) and getattr(leaf, "ndim", 0) == 2
+                and leaf.dtype == jnp.bfloat16):
+            return PackedWeight(leaf, jax.jit(pack_bf16)(leaf))
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(pack, params, is_leaf=lambda x: isinstance(x, PackedWeight))
+
+
+def unpack_params(params):
+    """The inverse of `pack_params`: every `PackedWeight` back to its plain weight."""
+    return jax.tree_util.tree_map(lambda x: x.w if isinstance(x, PackedWeight) else x, params,
+                                  is_leaf=lambda x: isinstance(x, PackedWeight))
+
+
 def quantize_int8(w):
     """Weight-only int8 with one scale per output column: w [K, N] -> (q int8 [K, N], scale [N]).
 

@@ -460,13 +460,13 @@ HJ_AVX512BF16 void Bf16DpTTile(const Job& j, int64_t row0, int64_t n0, int64_t n
 }
 
 // Packed bf16 weight: panels [n0 / 32, ceil(n1 / 32)), pairs [kb / 2, ceil(ke / 2)); each panel is
-// one contiguous run of 128 bytes per pair, summed in registers (U pairs in flight with M <= 2
-// rows, so the vdpbf16ps chains overlap) and stored once. acc rows have stride >= whole panels.
+// one contiguous run of 128 bytes per pair, summed in registers and stored once. One chain of
+// vdpbf16ps per 16 columns and row (unrolling to two chains streamed no faster from memory, and
+// would make a row's sums depend on how many rows share the call). acc rows: whole panels.
 template <int M, bool kSplit>
 HJ_AVX512BF16 void Bf16PackedTile(const Job& j, int64_t row0, int64_t n0, int64_t n1, int64_t kb, int64_t ke,
                                   float* acc) {
-  constexpr int U = M <= 2 ? 2 : 1;
-  constexpr int64_t kAhead = 512;  // prefetch 1 KB ahead along the panel (best of 0 / 1 / 4 KB)
+  constexpr int64_t kAhead = 512;  // prefetch 1 KB ahead along the panel (0, 1 and 4 KB ran alike)
   const uint16_t* wbase = static_cast<const uint16_t*>(j.w);
   const int64_t kp = (j.k + 1) / 2, stride = (n1 - n0 + 31) / 32 * 32;
   const uint32_t* xh = j.xhi + row0 * kp;
@@ -474,47 +474,26 @@ HJ_AVX512BF16 void Bf16PackedTile(const Job& j, int64_t row0, int64_t n0, int64_
   const int64_t pb = kb / 2, pe = (ke + 1) / 2;
   for (int64_t panel = n0 / 32; panel * 32 < n1; ++panel) {
     const uint16_t* w = wbase + (panel * kp + pb) * 64;
-    __m512 a[U][M][2];
-    for (int u = 0; u < U; ++u)
-      for (int r = 0; r < M; ++r) a[u][r][0] = a[u][r][1] = _mm512_setzero_ps();
-    int64_t p = pb;
-    for (; p + U <= pe; p += U, w += 64 * U)
-      for (int u = 0; u < U; ++u) {
-        PrefetchNext(w + u * 64 + kAhead);
-        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + u * 64);
-        const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + u * 64 + 32);
-        for (int r = 0; r < M; ++r) {
-          const __m512bh xv = (__m512bh)_mm512_set1_epi32(int(xh[r * kp + p + u]));
-          a[u][r][0] = _mm512_dpbf16_ps(a[u][r][0], w0, xv);
-          a[u][r][1] = _mm512_dpbf16_ps(a[u][r][1], w1, xv);
-          if (kSplit) {
-            const __m512bh xr = (__m512bh)_mm512_set1_epi32(int(xl[r * kp + p + u]));
-            a[u][r][0] = _mm512_dpbf16_ps(a[u][r][0], w0, xr);
-            a[u][r][1] = _mm512_dpbf16_ps(a[u][r][1], w1, xr);
-          }
-        }
-      }
-    for (; p < pe; ++p, w += 64) {
+    __m512 a[M][2];
+    for (int r = 0; r < M; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
+    for (int64_t p = pb; p < pe; ++p, w += 64) {
+      PrefetchNext(w + kAhead);
       const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 32);
       for (int r = 0; r < M; ++r) {
         const __m512bh xv = (__m512bh)_mm512_set1_epi32(int(xh[r * kp + p]));
-        a[0][r][0] = _mm512_dpbf16_ps(a[0][r][0], w0, xv);
-        a[0][r][1] = _mm512_dpbf16_ps(a[0][r][1], w1, xv);
+        a[r][0] = _mm512_dpbf16_ps(a[r][0], w0, xv);
+        a[r][1] = _mm512_dpbf16_ps(a[r][1], w1, xv);
         if (kSplit) {
           const __m512bh xr = (__m512bh)_mm512_set1_epi32(int(xl[r * kp + p]));
-          a[0][r][0] = _mm512_dpbf16_ps(a[0][r][0], w0, xr);
-          a[0][r][1] = _mm512_dpbf16_ps(a[0][r][1], w1, xr);
+          a[r][0] = _mm512_dpbf16_ps(a[r][0], w0, xr);
+          a[r][1] = _mm512_dpbf16_ps(a[r][1], w1, xr);
         }
       }
     }
     float* out = acc + (panel * 32 - n0);
     for (int r = 0; r < M; ++r) {
-      for (int u = 1; u < U; ++u) {  // fixed order: the same sums for any thread count
-        a[0][r][0] = _mm512_add_ps(a[0][r][0], a[u][r][0]);
-        a[0][r][1] = _mm512_add_ps(a[0][r][1], a[u][r][1]);
-      }
-      _mm512_storeu_ps(out + r * stride, a[0][r][0]);
-      _mm512_storeu_ps(out + r * stride + 16, a[0][r][1]);
+      _mm512_storeu_ps(out + r * stride, a[r][0]);
+      _mm512_storeu_ps(out + r * stride + 16, a[r][1]);
     }
   }
 }
