@@ -461,7 +461,7 @@ def test_dense_streams_packed_panels_for_few_rows_and_xla_reads_the_plain_weight
         assert_close(y, x, w.astype(jnp.float32), False)
 
 
-def test_pack_params_packs_the_projections_only(loaded):
+def test_pack_params_packs_the_projections_only(loaded, hf_dirs):
     cfg, params = loaded["qwen3_5_dense"]
     bf = hybridjax.params.cast_params(params, "bfloat16")
     packed = cpu_kernels.pack_params(bf, force=True)
@@ -471,6 +471,9 @@ def test_pack_params_packs_the_projections_only(loaded):
     assert cpu_kernels.pack_params(params, force=True) is not params  # float32: walked, nothing packed
     assert not any(isinstance(x, cpu_kernels.PackedWeight) for x in jax.tree_util.tree_leaves(
         cpu_kernels.pack_params(params, force=True), is_leaf=lambda x: isinstance(x, cpu_kernels.PackedWeight)))
+    if cpu_kernels.best_isa() == "avx512bf16":  # elsewhere pack_params leaves params as they are
+        _, at_load = hybridjax.load_hf(hf_dirs["qwen3_5_dense"], dtype="bfloat16", pack_for_decode=True)
+        assert isinstance(at_load.layers[0].ffn.up, cpu_kernels.PackedWeight)
     back = cpu_kernels.unpack_params(packed)
     assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(bf)
     for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(bf)):

@@ -28,8 +28,9 @@
 // of weight rows (2p, 2p + 1) as 32 (w[2p, c], w[2p + 1, c]) 32-bit lanes, zero-padded. That
 // is the operand vdpbf16ps takes, so a panel streams from one contiguous block with no
 // shuffles, and the partial sums of the whole panel stay in registers across K (no pass
-// buffer to load and store). One thread streamed it at 1.05-1.25x the [K, N] pair path's
-// bytes/s with one row of x and 1.4-3x with eight (benchmarks/README.md, Zen 4).
+// buffer to load and store). Items are column tiles over the whole of K (one contiguous block
+// each). One thread streamed it at 1.0-1.25x the float32 kernel's bytes/s with one row of x
+// (the [K, N] bf16 pair path: 0.7-0.9x) and 1.2-1.4x with eight (benchmarks/README.md).
 //
 // Leading (vmap) dimensions: x [..., R, K], w [..., K, N] (scale [..., 1, N]), y [..., R, N]; a
 // leading dimension of size 1 broadcasts. When w has no batch, all of x's rows share one
