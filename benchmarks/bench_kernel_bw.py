@@ -54,9 +54,7 @@ def main(argv=None) -> int:
     from hybridjax import cpu_kernels
 
     calls = {"new": lambda x, w: cpu_kernels.matmul(x, w, max_threads=a.threads),
-             "packed": lambda x, w: cpu_kernels.matmul_packed(x, w[0], w[1], max_threads=a.threads),
-             "packed-cols": lambda x, w: cpu_kernels.matmul_packed(x, w[0], w[1], max_threads=a.threads,
-                                                                   tile_cols=-(-w[1] // 128) * 32, k_slices=1)}
+             "packed": lambda x, w: cpu_kernels.matmul_packed(x, w[0], w[1], max_threads=a.threads)}
     if a.old_so:
         old = ctypes.CDLL(a.old_so)
         jax.ffi.register_ffi_target("hybridjax_cpu_matmul_old", jax.ffi.pycapsule(old.HjMatmul), platform="cpu")
@@ -71,8 +69,7 @@ def main(argv=None) -> int:
 
     # mode -> (call, weight dtype, x dtype)
     modes = {"f32": ("new", jnp.float32, jnp.float32), "bf16": ("new", jnp.bfloat16, jnp.bfloat16),
-             "bf16-xf32": ("new", jnp.bfloat16, jnp.float32), "bf16-packed": ("packed", "packed", jnp.bfloat16),
-             "bf16-packed-cols": ("packed-cols", "packed", jnp.bfloat16)}
+             "bf16-xf32": ("new", jnp.bfloat16, jnp.float32), "bf16-packed": ("packed", "packed", jnp.bfloat16)}
     if a.old_so:
         modes.update({"old-f32": ("old", jnp.float32, jnp.float32), "old-bf16": ("old", jnp.bfloat16, jnp.bfloat16)})
     if a.modes:
