@@ -284,6 +284,9 @@ def pack_bf16(w):
     return w.reshape(kp, 2, panels, PANEL).transpose(2, 0, 3, 1).reshape(panels, kp * 2 * PANEL)
 
 
+_pack_bf16_jit = jax.jit(pack_bf16)  # one compile per weight shape
+
+
 def unpack_bf16(p, k: int, n: int):
     """The inverse of `pack_bf16`: panels -> bfloat16 [K, N] (a reference, and XLA's operand)."""
     panels = p.shape[0]
@@ -396,7 +399,7 @@ def pack_params(params, force: bool = False):
         name = getattr(path[-1], "name", None) if path else None
         if (name in DENSE_WEIGHTS and not isinstance(leaf, PackedWeight) and getattr(leaf, "ndim", 0) == 2
                 and leaf.dtype == jnp.bfloat16):
-            return PackedWeight(leaf, jax.jit(pack_bf16)(leaf))
+            return PackedWeight(leaf, _pack_bf16_jit(leaf))
         return leaf
 
     return jax.tree_util.tree_map_with_path(pack, params, is_leaf=lambda x: isinstance(x, PackedWeight))
