@@ -2,7 +2,7 @@
 and without the CPU kernel (hybridjax.cpu_kernels), optionally beside llama.cpp's tg128.
 
     python benchmarks/bench_cpu_decode.py [--quick] [--model-dir DIR] [--repeats 5]
-        [--prompt 128] [--new-tokens 128] [--modes f32-xla,f32-kernel,bf16-kernel]
+        [--prompt 128] [--new-tokens 128] [--modes f32-xla,f32-kernel,bf16-kernel,bf16-packed]
         [--step-rounds 20] [--agree-prompts 4]
         [--llama-bench PATH --gguf F32.gguf --gguf BF16.gguf] [--json OUT]
 
@@ -18,6 +18,9 @@ vocab 32000, untied head, 228 M params; built once into --model-dir if absent). 
              f32-xla      float32 weights, XLA's dots (HYBRIDJAX_CPU_KERNELS=0)
              f32-kernel   float32 weights, the kernel for the few-row matmuls
              bf16-kernel  bfloat16 weights, the kernel
+             bf16-packed  bfloat16 weights, the projections also kept as packed panels
+                          (cpu_kernels.pack_params: twice the weight memory), the kernel
+                          streaming the panels
              bf16-xla     bfloat16 weights, XLA's dots (very slow: opt in with --modes)
              *-kernel-1t  the kernel on one thread per call (what sharing columns buys)
            Modes alternate round by round, so load drift hits all alike; medians are shown.
@@ -63,6 +66,9 @@ MODES = {  # name -> (param dtype, use the kernel, kernel threads per call: 0 = 
     "bf16-xla": ("bfloat16", False, 0),
     "f32-kernel-1t": ("float32", True, 1),
     "bf16-kernel-1t": ("bfloat16", True, 1),
+    # bfloat16 projections also kept as packed panels for decode (cpu_kernels.pack_params)
+    "bf16-packed": ("bfloat16", True, 0),
+    "bf16-packed-1t": ("bfloat16", True, 1),
 }
 
 
@@ -324,7 +330,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--modes", default="f32-xla,f32-kernel,bf16-kernel")
+    ap.add_argument("--modes", default="f32-xla,f32-kernel,bf16-kernel,bf16-packed")
     ap.add_argument("--agree-prompts", type=int, default=4, help="prompts for the bf16 vs f32 token agreement")
     ap.add_argument("--step-rounds", type=int, default=0,
                     help="also time single decode steps, modes interleaved, this many rounds of 4 steps each")
@@ -372,6 +378,8 @@ def main(argv=None) -> int:
             loaded[dtype] = hybridjax.load_hf(model_dir, dtype=dtype)
             jax.block_until_ready(loaded[dtype][1])
         cfg, params = loaded[dtype]
+        if name.endswith("-packed") or name.endswith("-packed-1t"):
+            params = jax.block_until_ready(cpu_kernels.pack_params(params))
         modes[name] = Mode(name, params, cfg, use_kernel, threads)
     prompt = bench_generate.prompt_tokens(a.prompt).tolist()
     print(f"decode, {len(modes)} modes x {a.repeats} rounds ...", file=sys.stderr, flush=True)

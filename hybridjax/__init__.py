@@ -31,24 +31,37 @@ from hybridjax.text import Model, load_model
 __version__ = "0.1.0"
 
 
-def load_hf(model_dir, dtype="float32", mesh=None, progress=None):
+def load_hf(model_dir, dtype="float32", mesh=None, progress=None, pack_for_decode=False):
     """(Config, Params) from a Hugging Face model directory; see `hybridjax.conversion.hf.load_hf`.
     `mesh` (from `make_mesh`): each device receives its shard as the tensors are read.
-    `progress`: as for `load`."""
+    `progress`: as for `load`. `pack_for_decode`: see `load`."""
     # The facade reaches down into conversion lazily; nothing below it imports conversion.
     from hybridjax.conversion.hf import load_hf as _load_hf
     from hybridjax.conversion.progress import load_progress
 
-    return _load_hf(model_dir, dtype=dtype, mesh=mesh, progress=load_progress(progress))
+    cfg, params = _load_hf(model_dir, dtype=dtype, mesh=mesh, progress=load_progress(progress))
+    return cfg, _pack(params, mesh, pack_for_decode)
 
 
-def load(path, dtype=None, mesh=None, progress=None):
+def load(path, dtype=None, mesh=None, progress=None, pack_for_decode=False):
     """(Config, Params) from an HF model directory or a converted hybridjax checkpoint, placed on
     `mesh` shard by shard when given. `progress`: a bar on stderr (tensors, bytes) when True, or
-    when None and stderr is a terminal; False: none (see `hybridjax.conversion.load`)."""
+    when None and stderr is a terminal; False: none (see `hybridjax.conversion.load`).
+    `pack_for_decode`: bfloat16 projections are also kept as packed panels that the CPU decode
+    kernel streams faster (`cpu_kernels.pack_params`; twice the weight memory; single device,
+    CPUs with AVX512_BF16 only, else a no-op)."""
     from hybridjax.conversion import load as _load
 
-    return _load(path, dtype=dtype, mesh=mesh, progress=progress)
+    cfg, params = _load(path, dtype=dtype, mesh=mesh, progress=progress)
+    return cfg, _pack(params, mesh, pack_for_decode)
+
+
+def _pack(params, mesh, pack_for_decode):
+    if not pack_for_decode or mesh is not None:  # the kernel runs on one device only
+        return params
+    from hybridjax import cpu_kernels
+
+    return cpu_kernels.pack_params(params)
 
 
 def save_hf(params, cfg, out_dir, **kw):

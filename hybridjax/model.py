@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from hybridjax import ops, sharding
+from hybridjax import cpu_kernels, ops, sharding
 from hybridjax.cache import Cache, reserve
 from hybridjax.config import Config
 from hybridjax.layers import decoder_layer
@@ -88,7 +88,10 @@ def forward_hidden(
 
 def lm_head(params: Params) -> Array:
     """The LM head [D, vocab] (the embedding table, transposed, when tied)."""
-    return params.embed.T if params.lm_head is None else params.lm_head
+    if params.lm_head is None:
+        return params.embed.T
+    head = params.lm_head
+    return head.w if isinstance(head, cpu_kernels.PackedWeight) else head
 
 
 def lm_logits(params: Params, x: Array) -> Array:

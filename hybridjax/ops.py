@@ -27,6 +27,8 @@ def dense(x: Array, w: Array, dtype=None, transposed: bool = False) -> Array:
     """x [..., n_in] @ w [n_in, n_out], accumulated in float32, returned in `dtype` (x's).
 
     transposed: w is [n_out, n_in] (a tied embedding as the head), read in place.
+    w may be a `cpu_kernels.PackedWeight` (`cpu_kernels.pack_params`): decode rows then stream
+    its packed bfloat16 panels, everything else reads its plain weight.
 
     A few rows (decode) on CPU go to the streaming kernel of `hybridjax.cpu_kernels` when it is
     built: XLA:CPU's one-row dots leave memory bandwidth unused, and its bfloat16 ones run ~20x
@@ -36,12 +38,18 @@ def dense(x: Array, w: Array, dtype=None, transposed: bool = False) -> Array:
     lead, n_in = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, n_in)
     xla = functools.partial(_xla_dot, transposed=transposed)
+    packed = isinstance(w, cpu_kernels.PackedWeight)  # bf16 kept twice: [K, N] and decode's panels
     if (cpu_kernels.supports(rows.shape[0], x.dtype, w.dtype) and sharding.current_mesh() is None
             and cpu_kernels.enabled()):
-        kernel = functools.partial(cpu_kernels.matmul, transposed=transposed)
-        y = jax.lax.platform_dependent(rows, w, cpu=kernel, default=xla)
+        if packed and not transposed:
+            n = w.shape[1]
+            y = jax.lax.platform_dependent(rows, w.w, w.panels, cpu=lambda r, _, p: cpu_kernels.matmul_packed(r, p, n),
+                                           default=lambda r, w, _: xla(r, w))
+        else:
+            kernel = functools.partial(cpu_kernels.matmul, transposed=transposed)
+            y = jax.lax.platform_dependent(rows, w.w if packed else w, cpu=kernel, default=xla)
     else:
-        y = xla(rows, w)
+        y = xla(rows, w.w if packed else w)
     return y.astype(dtype or x.dtype).reshape(*lead, y.shape[-1])
 
 

@@ -359,3 +359,146 @@ def test_generate_with_kernel_equals_without_for_a_batch(loaded, monkeypatch):
         monkeypatch.delenv("HYBRIDJAX_CPU_KERNELS")
         jax.clear_caches()
     assert ours == ref
+
+
+# --- packed bfloat16 panels (pack_bf16 / matmul_packed / PackedWeight) -------------------
+# Same sums as the [K, N] bf16 path (bf16 products, float32 accumulation, in another order),
+# so the same bound (assert_close), on every path: avx512bf16 streams the panels, the others
+# read them with plain C++.
+
+
+@pytest.mark.parametrize("isa", cpu_kernels.ISAS)
+def test_packed_matches_jnp_dot_on_awkward_shapes(isa):
+    need(isa)
+    rng = np.random.default_rng(10)
+    for i, (r, k, n) in enumerate(SHAPES + [(1, 1001, 37), (8, 64, 100)]):
+        w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
+        p = cpu_kernels.pack_bf16(w)
+        assert p.shape == (-(-n // 32), -(-k // 2) * 64) and p.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(cpu_kernels.unpack_bf16(p, k, n)), np.asarray(w))
+        # default plan, several column tiles, and forced K slices (odd K: a pair at a slice's end)
+        for tc, ks in ((0, 0), (64, 0), (32 * (i % 2), 3)):
+            f = jax.jit(functools.partial(cpu_kernels.matmul_packed, n=n, isa=isa, tile_cols=tc, k_slices=ks))
+            for xdtype in ("float32", "bfloat16"):
+                x = jnp.asarray(rng.standard_normal((r, k)), xdtype)
+                split = isa == "avx512bf16" and xdtype == "float32"
+                assert_close(f(x, p), x, w.astype(jnp.float32), split)
+
+
+def test_packed_plan_ignores_the_threads_and_rows_are_independent():
+    """A packed weight of >= 256 KB is cut into column tiles (whole K each); the result is
+    bitwise the same for any thread count, and a row's result does not depend on the others."""
+    rng = np.random.default_rng(11)
+    k, n = 515, 1000  # 1 MB of bf16: four items
+    w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
+    p = cpu_kernels.pack_bf16(w)
+    x = jnp.asarray(rng.standard_normal((8, k)), jnp.bfloat16)
+    for isa in paths_here():
+        one = np.asarray(cpu_kernels.matmul_packed(x, p, n, isa=isa, max_threads=1))
+        np.testing.assert_array_equal(np.asarray(cpu_kernels.matmul_packed(x, p, n, isa=isa, max_threads=2)), one)
+        for rows in (1, 3):
+            np.testing.assert_array_equal(np.asarray(cpu_kernels.matmul_packed(x[:rows], p, n, isa=isa)), one[:rows])
+        assert_close(one, x, w.astype(jnp.float32), False)
+
+
+def test_packed_under_vmap_while_loop_and_grad():
+    rng = np.random.default_rng(12)
+    k, n = 40, 70
+    w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
+    ws = jnp.asarray(rng.standard_normal((4, k, n)), jnp.bfloat16)
+    p, ps = cpu_kernels.pack_bf16(w), jax.vmap(cpu_kernels.pack_bf16)(ws)
+    x = jnp.asarray(rng.standard_normal((4, 3, k)), jnp.bfloat16)
+    f = functools.partial(cpu_kernels.matmul_packed, n=n)
+    wf, wsf = w.astype(jnp.float32), ws.astype(jnp.float32)
+    assert_close(jax.jit(jax.vmap(f, (0, None)))(x, p), x, wf, False)
+    assert_close(jax.vmap(f)(x, ps), x, wsf, False)
+    assert_close(jax.vmap(f, (None, 0))(x[0], ps), jnp.broadcast_to(x[0], (4, 3, k)), wsf, False)
+
+    sq = jnp.asarray(rng.standard_normal((k, k)) * 0.2, jnp.bfloat16)
+    sqp = cpu_kernels.pack_bf16(sq)
+    x0 = jnp.asarray(rng.standard_normal((2, k)), jnp.float32)
+
+    def run(mm):
+        body = lambda c: (c[0] + 1, jnp.tanh(mm(c[1])))  # noqa: E731
+        return jax.jit(lambda v: jax.lax.while_loop(lambda c: c[0] < 5, body, (0, v))[1])(x0)
+
+    ours = run(lambda v: cpu_kernels.matmul_packed(v, sqp, k))
+    ref = run(lambda v: cpu_kernels.matmul(v, sq))  # the [K, N] kernel: the same bf16 products
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=1e-5, atol=1e-6)
+    # custom_jvp: the tangent goes through XLA's dot on the unpacked weight
+    loss = lambda a, b: jnp.sum(jnp.sin(cpu_kernels.matmul_packed(a, b, k)))  # noqa: E731
+    gx, gp = jax.grad(loss, (0, 1))(x0, sqp)
+    gx_ref, gw_ref = jax.grad(lambda a, b: jnp.sum(jnp.sin(cpu_kernels.matmul(a, b))), (0, 1))(x0, sq)
+    np.testing.assert_allclose(np.asarray(gx), np.asarray(gx_ref), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(cpu_kernels.unpack_bf16(gp, k, k), np.float32),
+                               np.asarray(gw_ref, np.float32), rtol=1e-2, atol=1e-2)
+
+
+def test_packed_bad_input_is_rejected():
+    x = jnp.ones((2, 8), jnp.bfloat16)
+    p = cpu_kernels.pack_bf16(jnp.ones((8, 40), jnp.bfloat16))  # [2, 256]
+    with pytest.raises(ValueError, match="panels"):
+        cpu_kernels.matmul_packed(x, p, 70)  # n does not fit the panels
+    with pytest.raises(ValueError, match="panels"):
+        cpu_kernels.matmul_packed(jnp.ones((2, 9), jnp.bfloat16), p, 40)
+    with pytest.raises(ValueError, match="panels"):
+        cpu_kernels.matmul_packed(x, p.astype(jnp.float32), 40)
+
+
+def test_dense_streams_packed_panels_for_few_rows_and_xla_reads_the_plain_weight():
+    rng = np.random.default_rng(13)
+    w = jnp.asarray(rng.standard_normal((64, 48)), jnp.bfloat16)
+    pw = cpu_kernels.PackedWeight(w, cpu_kernels.pack_bf16(w))
+
+    def hlo(rows):
+        return jax.jit(lambda x, w: ops.dense(x, w)).lower(jnp.ones((rows, 64), jnp.bfloat16), pw).as_text()
+
+    assert cpu_kernels.TARGET_PACKED in hlo(1) and cpu_kernels.TARGET_PACKED in hlo(cpu_kernels.MAX_ROWS)
+    assert cpu_kernels.TARGET_PACKED not in hlo(cpu_kernels.MAX_ROWS + 1)
+    for rows in (1, 8, 9):
+        x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.bfloat16)
+        y = jax.jit(lambda x, w: ops.dense(x, w, jnp.float32))(x, pw)
+        assert_close(y, x, w.astype(jnp.float32), False)
+
+
+def test_pack_params_packs_the_projections_only(loaded, hf_dirs):
+    cfg, params = loaded["qwen3_5_dense"]
+    bf = hybridjax.params.cast_params(params, "bfloat16")
+    packed = cpu_kernels.pack_params(bf, force=True)
+    leaves = jax.tree_util.tree_leaves_with_path(packed, is_leaf=lambda x: isinstance(x, cpu_kernels.PackedWeight))
+    names = {jax.tree_util.keystr(kp).split(".")[-1] for kp, x in leaves if isinstance(x, cpu_kernels.PackedWeight)}
+    assert names and names <= cpu_kernels.DENSE_WEIGHTS and "embed" not in names
+    assert cpu_kernels.pack_params(params, force=True) is not params  # float32: walked, nothing packed
+    assert not any(isinstance(x, cpu_kernels.PackedWeight) for x in jax.tree_util.tree_leaves(
+        cpu_kernels.pack_params(params, force=True), is_leaf=lambda x: isinstance(x, cpu_kernels.PackedWeight)))
+    if cpu_kernels.best_isa() == "avx512bf16":  # elsewhere pack_params leaves params as they are
+        _, at_load = hybridjax.load_hf(hf_dirs["qwen3_5_dense"], dtype="bfloat16", pack_for_decode=True)
+        assert isinstance(at_load.layers[0].ffn.up, cpu_kernels.PackedWeight)
+    back = cpu_kernels.unpack_params(packed)
+    assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(bf)
+    for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(bf)):
+        assert a is b
+
+
+def test_model_decode_with_packed_weights_equals_without_kernel(loaded, monkeypatch):
+    """bfloat16 params packed for decode (the tied head untied, so the LM head is packed too):
+    one-token steps through the packed kernel against XLA's dots on the plain weights
+    (tolerance as in the bf16 case above: activations are rounded to bf16 between layers, in
+    different places), then generate's while_loop over a ragged batch against the unpacked
+    kernel: the same greedy tokens."""
+    cfg, params = loaded["qwen3_5_dense"]
+    bf = hybridjax.params.cast_params(params, "bfloat16")
+    bf = bf.replace(lm_head=jnp.asarray(bf.embed.T))
+    packed = cpu_kernels.pack_params(bf, force=True)
+    assert isinstance(packed.lm_head, cpu_kernels.PackedWeight)
+    prompt = np.random.RandomState(7).randint(0, cfg.vocab_size, 9).tolist()
+    ours = decode_logits(packed, cfg, prompt, 6)
+    monkeypatch.setenv("HYBRIDJAX_CPU_KERNELS", "0")
+    ref = decode_logits(bf, cfg, prompt, 6)
+    monkeypatch.delenv("HYBRIDJAX_CPU_KERNELS")
+    err = np.abs(ours - ref).max() / np.abs(ref).max()
+    assert err < 5e-2, err
+    np.testing.assert_array_equal(ours.argmax(-1), ref.argmax(-1))
+    prompts = [np.random.RandomState(s).randint(0, cfg.vocab_size, n).tolist() for s, n in ((1, 5), (2, 11), (3, 1))]
+    assert (generate(packed, cfg, prompts, max_new_tokens=12).token_lists()
+            == generate(bf, cfg, prompts, max_new_tokens=12).token_lists())

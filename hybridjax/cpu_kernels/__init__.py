@@ -5,6 +5,8 @@
     y = matmul(x, e, transposed=True)   # e [N, K]: y = x @ e.T (a tied embedding as the head)
     y = matmul_indexed(x, w, index)     # x [B, R, K], w [E, K, N], index [B]: y[b] = x[b] @ w[index[b]]
                                         # (routed experts, read in place; index outside [0, E): zeros)
+    p = pack_bf16(w)                    # w [K, N] -> bfloat16 panels [ceil(N/32), ceil(K/2) * 64], once
+    y = matmul_packed(x, p, n=N)        # = matmul(x, w.astype(bfloat16)), streamed from the panels
                                   # y [..., R, N] float32, accumulated in float32
 
 A decode step reads every weight once per token, so it is bound by memory bandwidth, and
@@ -45,6 +47,7 @@ log = logging.getLogger(__name__)
 ISAS = ("scalar", "avx2", "avx512", "avx512bf16")  # in the kernel's numbering, 0..3
 TARGET = "hybridjax_cpu_matmul"
 TARGET_INDEXED = "hybridjax_cpu_matmul_indexed"
+TARGET_PACKED = "hybridjax_cpu_matmul_packed"
 # Rows up to which `dense` prefers the kernel (the engine's decode slots); prefill, with more
 # rows, keeps XLA's matmuls, which are compute-bound there and fast.
 MAX_ROWS = 8
@@ -80,6 +83,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         lib.HjHelperItems.restype = ctypes.c_int64
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.HjMatmul), platform="cpu")
         jax.ffi.register_ffi_target(TARGET_INDEXED, jax.ffi.pycapsule(lib.HjMatmulIndexed), platform="cpu")
+        jax.ffi.register_ffi_target(TARGET_PACKED, jax.ffi.pycapsule(lib.HjMatmulPacked), platform="cpu")
     except (OSError, AttributeError, RuntimeError, ValueError) as e:
         return None, f"the C++ extension {path.name} failed to load: {e}"
     return lib, None
@@ -260,6 +264,151 @@ def matmul_indexed(x, w, index, *, transposed: bool = False, isa: str | None = N
     if max_threads is None:
         max_threads = int(os.environ.get("HYBRIDJAX_CPU_THREADS", "0") or 0)
     return _matmul_indexed(x, w, index, _isa_code(isa), int(max_threads), bool(transposed))
+
+
+PANEL = 32  # output columns per panel of a packed weight (two zmm registers of float32 sums)
+
+
+def pack_bf16(w):
+    """w [K, N] -> bfloat16 panels [ceil(N / 32), ceil(K / 2) * 64] for `matmul_packed`.
+
+    Panel j holds columns 32j .. 32j + 31; within it, pair p of weight rows (2p, 2p + 1) is 32
+    (w[2p, c], w[2p + 1, c]) pairs: the operand of vdpbf16ps, so the kernel streams each panel
+    from one contiguous block with no shuffles. K and N are zero-padded (to even, to whole
+    panels). Meant to run once, when parameters are placed: it reads and writes the weight."""
+    w = jnp.asarray(w).astype(jnp.bfloat16)
+    k, n = w.shape
+    kp, panels = -(-k // 2), -(-n // PANEL)
+    w = jnp.pad(w, ((0, 2 * kp - k), (0, PANEL * panels - n)))
+    # [kp, 2, panels, 32] -> [panels, kp, 32, 2]
+    return w.reshape(kp, 2, panels, PANEL).transpose(2, 0, 3, 1).reshape(panels, kp * 2 * PANEL)
+
+
+_pack_bf16_jit = jax.jit(pack_bf16)  # one compile per weight shape
+
+
+def unpack_bf16(p, k: int, n: int):
+    """The inverse of `pack_bf16`: panels -> bfloat16 [K, N] (a reference, and XLA's operand)."""
+    panels = p.shape[0]
+    kp = p.shape[1] // (2 * PANEL)
+    w = p.reshape(panels, kp, PANEL, 2).transpose(1, 3, 0, 2).reshape(2 * kp, panels * PANEL)
+    return w[:k, :n]
+
+
+def _call_packed(x, p, n, isa, max_threads, tile_cols, k_slices):
+    out = jax.ShapeDtypeStruct(x.shape[:-1] + (n,), jnp.float32)
+    call = jax.ffi.ffi_call(TARGET_PACKED, out, vmap_method="expand_dims")
+    return call(x, p, isa=np.int64(isa), max_threads=np.int64(max_threads), tile_cols=np.int64(tile_cols),
+                k_slices=np.int64(k_slices))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _matmul_packed(x, p, n, isa, max_threads, tile_cols, k_slices):
+    return _call_packed(x, p, n, isa, max_threads, tile_cols, k_slices)
+
+
+@_matmul_packed.defjvp
+def _matmul_packed_jvp(n, isa, max_threads, tile_cols, k_slices, primals, tangents):
+    # Linear in x and p: the tangent goes through XLA's dot on the unpacked weight.
+    x, p = primals
+    dx, dp = tangents
+    y = _matmul_packed(x, p, n, isa, max_threads, tile_cols, k_slices)
+    k, f32 = x.shape[-1], jnp.float32
+    dy = (jnp.matmul(dx.astype(f32), unpack_bf16(p[(0,) * (p.ndim - 2)], k, n).astype(f32))
+          + jnp.matmul(x.astype(f32), unpack_bf16(dp[(0,) * (dp.ndim - 2)], k, n).astype(f32)))
+    return y, dy
+
+
+def matmul_packed(x, p, n: int, *, isa: str | None = None, max_threads: int | None = None,
+                  tile_cols: int = TILE_COLS, k_slices: int = K_SLICES):
+    """x [..., R, K] (float32 | bfloat16) @ w [K, N] -> [..., R, N] float32, w given packed
+    (`pack_bf16(w)`, bfloat16 panels [ceil(N / 32), ceil(K / 2) * 64]); n is N.
+
+    The same sums as `matmul(x, w.astype(bfloat16))` up to float32 rounding (bf16 products,
+    float32 accumulation), streamed faster: on the avx512bf16 path each panel is one contiguous
+    block and its sums stay in registers. Other paths read the panels with plain C++ (correct,
+    slow): pack only where `best_isa()` is "avx512bf16". Other arguments as for `matmul`.
+    """
+    if not available():
+        raise RuntimeError(load_error())
+    x, p = jnp.asarray(x), jnp.asarray(p)
+    k = x.shape[-1] if x.ndim else 0
+    want = (-(-n // PANEL), -(-k // 2) * 2 * PANEL)
+    if x.ndim < 2 or p.ndim != 2 or p.shape != want or p.dtype != jnp.bfloat16:
+        raise ValueError(f"matmul_packed: x [..., R, K] and bfloat16 panels {want} for n={n}; "
+                         f"got {x.shape} and {p.shape} {p.dtype}")
+    if x.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"matmul_packed: x must be float32 or bfloat16, got {x.dtype}")
+    if max_threads is None:
+        max_threads = int(os.environ.get("HYBRIDJAX_CPU_THREADS", "0") or 0)
+    p = p.reshape((1,) * (x.ndim - 2) + p.shape)  # same rank as x
+    return _matmul_packed(x, p, int(n), _isa_code(isa), int(max_threads), int(tile_cols), int(k_slices))
+
+
+@jax.tree_util.register_pytree_node_class
+class PackedWeight:
+    """A bfloat16 weight [K, N] kept twice: `w` as is (prefill's XLA matmuls, and any other
+    reader) and `panels = pack_bf16(w)` (decode's `matmul_packed`). `hybridjax.ops.dense` takes
+    it in place of w. Costs a second copy of the weight (a bf16 model then holds as many bytes
+    as a float32 one); buys a faster decode (benchmarks/README.md)."""
+
+    def __init__(self, w, panels):
+        self.w, self.panels = w, panels
+
+    @property
+    def shape(self):
+        return self.w.shape
+
+    @property
+    def dtype(self):
+        return self.w.dtype
+
+    @property
+    def ndim(self):
+        return self.w.ndim
+
+    def tree_flatten(self):
+        return (self.w, self.panels), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
+
+    def __repr__(self):
+        return f"PackedWeight(shape={self.shape}, dtype={self.dtype})"
+
+
+# The projections `hybridjax.ops.dense` reads, by parameter name (not the tied embedding: it is
+# also a lookup table, and its head reads rows in place already; not experts: 3-d).
+DENSE_WEIGHTS = frozenset({
+    "in_qkv", "in_z", "in_b", "in_a", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate", "up", "down",
+    "shared_gate", "router", "lm_head", "fc"})
+
+
+def pack_params(params, force: bool = False):
+    """params with every bfloat16 [K, N] projection (DENSE_WEIGHTS) as a `PackedWeight`, so the
+    decode path streams packed panels. Run once, when the params are placed (single device).
+
+    Does nothing (returns params) unless this CPU has the avx512bf16 path and the kernel is
+    enabled: elsewhere packed panels would be read by the slow plain-C++ fallback. `force`
+    packs anyway (tests of the fallback)."""
+    if not force and not (enabled() and best_isa() == "avx512bf16"):
+        return params
+
+    def pack(path, leaf):
+        name = getattr(path[-1], "name", None) if path else None
+        if (name in DENSE_WEIGHTS and not isinstance(leaf, PackedWeight) and getattr(leaf, "ndim", 0) == 2
+                and leaf.dtype == jnp.bfloat16):
+            return PackedWeight(leaf, _pack_bf16_jit(leaf))
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(pack, params, is_leaf=lambda x: isinstance(x, PackedWeight))
+
+
+def unpack_params(params):
+    """The inverse of `pack_params`: every `PackedWeight` back to its plain weight."""
+    return jax.tree_util.tree_map(lambda x: x.w if isinstance(x, PackedWeight) else x, params,
+                                  is_leaf=lambda x: isinstance(x, PackedWeight))
 
 
 def quantize_int8(w):

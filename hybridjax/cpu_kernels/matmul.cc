@@ -23,6 +23,15 @@
 //
 // `transposed`: w is [..., N, K] (a tied embedding used as the head), read row by row.
 //
+// Packed bf16 (HjMatmulPacked): w is [..., P, KP * 64] with P = ceil(N / 32), KP = ceil(K / 2),
+// prepared once at load (cpu_kernels.pack_bf16): panel j holds columns 32j .. 32j + 31, pair p
+// of weight rows (2p, 2p + 1) as 32 (w[2p, c], w[2p + 1, c]) 32-bit lanes, zero-padded. That
+// is the operand vdpbf16ps takes, so a panel streams from one contiguous block with no
+// shuffles, and the partial sums of the whole panel stay in registers across K (no pass
+// buffer to load and store). Items are column tiles over the whole of K (one contiguous block
+// each). One thread streamed it at 1.0-1.25x the float32 kernel's bytes/s with one row of x
+// (the [K, N] bf16 pair path: 0.7-0.9x) and 1.2-1.4x with eight (benchmarks/README.md).
+//
 // Leading (vmap) dimensions: x [..., R, K], w [..., K, N] (scale [..., 1, N]), y [..., R, N]; a
 // leading dimension of size 1 broadcasts. When w has no batch, all of x's rows share one
 // pass over w.
@@ -112,6 +121,7 @@ struct Job {
   const uint32_t* xlo;  // [rows, kp] the rounding remainder of x, or null (x was bf16)
   const void* w;        // [k, n], or [n, k] when transposed
   bool transposed;      // w is [n, k]: a tied embedding [vocab, D] read as the head
+  bool packed;          // w is bf16 panels [ceil(n / 32), ceil(k / 2) * 64] (see the top)
   const float* scale;   // [n] (int8) or null
   float* y;             // [rows, n]
   float* part;          // [slices, rows, n] partial sums when K is cut into slices, else null
@@ -169,6 +179,19 @@ void ScalarTTile(const Job& j, int64_t row0, int rows, int64_t n0, int64_t n1, i
       float s = 0.f;
       for (int64_t k = 0; k < j.k; ++k) s += x[k] * WeightAt<T>(w, c * j.k + k);
       acc[r * width + (c - n0)] = s;
+    }
+}
+
+// Packed bf16 weight (any CPU): w[k, c] sits at panel c / 32, pair k / 2, lane c % 32, half k % 2.
+void ScalarPTile(const Job& j, int64_t row0, int rows, int64_t n0, int64_t n1, int64_t kb, int64_t ke, float* acc) {
+  const uint16_t* w = static_cast<const uint16_t*>(j.w);
+  const int64_t width = n1 - n0, kp = (j.k + 1) / 2;
+  std::memset(acc, 0, sizeof(float) * rows * width);
+  for (int64_t k = kb; k < ke; ++k)
+    for (int r = 0; r < rows; ++r) {
+      const float xv = j.x[(row0 + r) * j.k + k];
+      float* a = acc + r * width;
+      for (int64_t c = n0; c < n1; ++c) a[c - n0] += xv * Bf16ToF32(w[((c / 32) * kp + k / 2) * 64 + (c % 32) * 2 + (k & 1)]);
     }
 }
 
@@ -437,6 +460,45 @@ HJ_AVX512BF16 void Bf16DpTTile(const Job& j, int64_t row0, int64_t n0, int64_t n
   }
 }
 
+// Packed bf16 weight: panels [n0 / 32, ceil(n1 / 32)), pairs [kb / 2, ceil(ke / 2)); each panel is
+// one contiguous run of 128 bytes per pair, summed in registers and stored once. One chain of
+// vdpbf16ps per 16 columns and row (unrolling to two chains streamed no faster from memory, and
+// would make a row's sums depend on how many rows share the call). acc rows: whole panels.
+template <int M, bool kSplit>
+HJ_AVX512BF16 void Bf16PackedTile(const Job& j, int64_t row0, int64_t n0, int64_t n1, int64_t kb, int64_t ke,
+                                  float* acc) {
+  constexpr int64_t kAhead = 512;  // prefetch 1 KB ahead along the panel (0, 1 and 4 KB ran alike)
+  const uint16_t* wbase = static_cast<const uint16_t*>(j.w);
+  const int64_t kp = (j.k + 1) / 2, stride = (n1 - n0 + 31) / 32 * 32;
+  const uint32_t* xh = j.xhi + row0 * kp;
+  const uint32_t* xl = kSplit ? j.xlo + row0 * kp : nullptr;
+  const int64_t pb = kb / 2, pe = (ke + 1) / 2;
+  for (int64_t panel = n0 / 32; panel * 32 < n1; ++panel) {
+    const uint16_t* w = wbase + (panel * kp + pb) * 64;
+    __m512 a[M][2];
+    for (int r = 0; r < M; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
+    for (int64_t p = pb; p < pe; ++p, w += 64) {
+      PrefetchNext(w + kAhead);
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 32);
+      for (int r = 0; r < M; ++r) {
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(int(xh[r * kp + p]));
+        a[r][0] = _mm512_dpbf16_ps(a[r][0], w0, xv);
+        a[r][1] = _mm512_dpbf16_ps(a[r][1], w1, xv);
+        if (kSplit) {
+          const __m512bh xr = (__m512bh)_mm512_set1_epi32(int(xl[r * kp + p]));
+          a[r][0] = _mm512_dpbf16_ps(a[r][0], w0, xr);
+          a[r][1] = _mm512_dpbf16_ps(a[r][1], w1, xr);
+        }
+      }
+    }
+    float* out = acc + (panel * 32 - n0);
+    for (int r = 0; r < M; ++r) {
+      _mm512_storeu_ps(out + r * stride, a[r][0]);
+      _mm512_storeu_ps(out + r * stride + 16, a[r][1]);
+    }
+  }
+}
+
 #endif  // HJ_X86
 
 // --- dispatch ---------------------------------------------------------------------------
@@ -465,6 +527,7 @@ template <typename T> struct Paths {
 template <bool kSplit> struct DpPaths {
   template <int M> static constexpr TileFn dp = Bf16DpTile<M, kSplit>;
   template <int M> static constexpr TileFn dp_t = Bf16DpTTile<M, kSplit>;
+  template <int M> static constexpr TileFn dp_p = Bf16PackedTile<M, kSplit>;
 };
 #endif
 
@@ -484,8 +547,9 @@ TileFn VectorTile(int isa, bool transposed, int rows) {
 }
 
 template <bool kSplit>
-TileFn DpTile(bool transposed, int rows) {
+TileFn DpTile(bool transposed, bool packed, int rows) {
 #if HJ_X86
+  if (packed) { HJ_ROWS_SWITCH(DpPaths<kSplit>::template dp_p) }
   if (transposed) { HJ_ROWS_SWITCH(DpPaths<kSplit>::template dp_t) }
   else { HJ_ROWS_SWITCH(DpPaths<kSplit>::template dp) }
 #endif
@@ -518,12 +582,16 @@ struct Plan {
 void RunItem(const Plan& plan, const Item& it, float* acc) {
   const Job& j = plan.jobs[it.job];
   const bool dp = plan.isa == kAvx512Bf16 && j.wtype == kBF16;
-  TileFn fn = dp ? (plan.split ? DpTile<true>(j.transposed, it.rows) : DpTile<false>(j.transposed, it.rows))
+  TileFn fn = dp ? (plan.split ? DpTile<true>(j.transposed, j.packed, it.rows)
+                                : DpTile<false>(j.transposed, j.packed, it.rows))
+              : j.packed ? nullptr
               : j.wtype == kF32 ? VectorTile<float>(plan.isa, j.transposed, it.rows)
               : j.wtype == kBF16 ? VectorTile<uint16_t>(plan.isa, j.transposed, it.rows)
                                  : VectorTile<int8_t>(plan.isa, j.transposed, it.rows);
   if (fn) {
     fn(j, it.row0, it.n0, it.n1, it.kb, it.ke, acc);
+  } else if (j.packed) {
+    ScalarPTile(j, it.row0, it.rows, it.n0, it.n1, it.kb, it.ke, acc);
   } else if (j.wtype == kF32) {
     (j.transposed ? ScalarTTile<float> : ScalarTile<float>)(j, it.row0, it.rows, it.n0, it.n1, it.kb, it.ke, acc);
   } else if (j.wtype == kBF16) {
@@ -623,7 +691,7 @@ int64_t BatchIndex(ffi::AnyBuffer::Dimensions d, ffi::AnyBuffer::Dimensions yd, 
 ffi::Error MatmulCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                       std::optional<ffi::AnyBuffer> scale, std::optional<ffi::AnyBuffer> index,
                       ffi::Result<ffi::AnyBuffer> y, int64_t isa_cap, int64_t max_threads,
-                      int64_t tile_cols, int64_t k_slices, bool transposed) {
+                      int64_t tile_cols, int64_t k_slices, bool transposed, bool packed = false) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() < 2 || wd.size() != xd.size() || yd.size() != xd.size())
     return ffi::Error::InvalidArgument("hj_matmul: x [..., R, K], w [..., K, N], y [..., R, N] of equal rank");
@@ -636,9 +704,15 @@ ffi::Error MatmulCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
       return ffi::Error::InvalidArgument("hj_matmul_indexed: x [B, R, K], w [E, K, N], index [B] int32, no scale");
     experts = static_cast<const int32_t*>(index->untyped_data());
   }
-  const int64_t R = xd[nb], K = xd[nb + 1], N = wd[transposed ? nb : nb + 1];
-  if (wd[transposed ? nb + 1 : nb] != K || yd[nb] != R || yd[nb + 1] != N)
+  const int64_t R = xd[nb], K = xd[nb + 1], N = packed ? yd[nb + 1] : wd[transposed ? nb : nb + 1];
+  if (packed) {  // N comes from y: the panels pad it to a multiple of 32
+    if (wd[nb] != (N + 31) / 32 || wd[nb + 1] != (K + 1) / 2 * 64 || yd[nb] != R ||
+        w.element_type() != ffi::DataType::BF16 || transposed)
+      return ffi::Error::InvalidArgument(
+          "hj_matmul_packed: x [..., R, K], w bfloat16 [..., ceil(N / 32), ceil(K / 2) * 64], y [..., R, N]");
+  } else if (wd[transposed ? nb + 1 : nb] != K || yd[nb] != R || yd[nb + 1] != N) {
     return ffi::Error::InvalidArgument("hj_matmul: shapes do not fit x [..., R, K] @ w [..., K, N] (or w^T)");
+  }
   const int wtype = WTypeOf(w.element_type());
   const bool x_bf16 = x.element_type() == ffi::DataType::BF16;
   if (wtype < 0 || !(x_bf16 || x.element_type() == ffi::DataType::F32) ||
@@ -718,12 +792,14 @@ ffi::Error MatmulCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
     j.n = N;
     j.wtype = wtype;
     j.transposed = transposed;
+    j.packed = packed;
     const int64_t row_off = g * rows_per_group;
     j.x = dp ? nullptr : plan->xf.data() + row_off * K;
     j.xhi = dp ? plan->xhi.data() + row_off * kp : nullptr;
     j.xlo = plan->split ? plan->xlo.data() + row_off * kp : nullptr;
     const int64_t wi = experts ? experts[g] : w_shared ? 0 : BatchIndex(wd, yd, nb, g);
-    j.w = static_cast<const char*>(w.untyped_data()) + wi * K * N * wbytes;
+    const int64_t w_elems = packed ? wd[nb] * wd[nb + 1] : K * N;
+    j.w = static_cast<const char*>(w.untyped_data()) + wi * w_elems * wbytes;
     const int64_t si = scale && !w_shared ? BatchIndex(scale->dimensions(), yd, nb, g) : 0;
     j.scale = scale ? static_cast<const float*>(scale->untyped_data()) + si * N : nullptr;
     j.y = yp + row_off * N;
@@ -747,6 +823,11 @@ ffi::Error MatmulCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   int64_t tc = N;
   if (tile_cols > 0) {
     tc = tile_cols;
+  } else if (big && packed) {
+    // Packed: a tile of panels over the whole of K is one contiguous block, so cut only columns
+    // (slices of K made each panel a run of a few KB: 0.8x the bytes/s of whole panels).
+    const int64_t want_tiles = (N + 8191) / 8192 > 4 ? (N + 8191) / 8192 : 4;
+    tc = (N + want_tiles - 1) / want_tiles;
   } else if (big) {
     int64_t want_tiles = N / 1024 < 4 ? N / 1024 : (N + 8191) / 8192 > 4 ? (N + 8191) / 8192 : 4;
     if (want_tiles < 1) want_tiles = 1;
@@ -755,7 +836,7 @@ ffi::Error MatmulCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   tc = (tc + 31) / 32 * 32;
   if (tc < 32) tc = 32;
   const int64_t tiles = (N + tc - 1) / tc;
-  int64_t slices = k_slices > 0 ? k_slices : big ? (4 + tiles - 1) / tiles : 1;
+  int64_t slices = k_slices > 0 ? k_slices : big && !packed ? (4 + tiles - 1) / tiles : 1;
   if (transposed || K < 32) slices = 1;  // transposed tiles read whole rows of K
   if (slices > K / 16) slices = K / 16 > 0 ? K / 16 : 1;
   // Slice length: whole 16-row blocks (even, so a bf16 pair never straddles two slices).
@@ -805,6 +886,12 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   return MatmulCore(pool, x, w, scale, std::nullopt, y, isa_cap, max_threads, tile_cols, k_slices, transposed);
 }
 
+ffi::Error MatmulPacked(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
+                        int64_t isa_cap, int64_t max_threads, int64_t tile_cols, int64_t k_slices) {
+  return MatmulCore(pool, x, w, std::nullopt, std::nullopt, y, isa_cap, max_threads, tile_cols, k_slices,
+                    /*transposed=*/false, /*packed=*/true);
+}
+
 ffi::Error MatmulIndexed(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer index,
                          ffi::Result<ffi::AnyBuffer> y, int64_t isa_cap, int64_t max_threads,
                          int64_t tile_cols, int64_t k_slices, bool transposed) {
@@ -817,6 +904,7 @@ ffi::Error MatmulIndexed(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer 
 #define HJ_EXPORT extern "C" __attribute__((visibility("default")))
 HJ_EXPORT XLA_FFI_Error* HjMatmul(XLA_FFI_CallFrame* call_frame);
 HJ_EXPORT XLA_FFI_Error* HjMatmulIndexed(XLA_FFI_CallFrame* call_frame);
+HJ_EXPORT XLA_FFI_Error* HjMatmulPacked(XLA_FFI_CallFrame* call_frame);
 HJ_EXPORT int HjBestIsa();
 HJ_EXPORT int64_t HjHelperItems();
 
@@ -848,3 +936,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HjMatmulIndexed, MatmulIndexed,
                                   .Attr<int64_t>("tile_cols")
                                   .Attr<int64_t>("k_slices")
                                   .Attr<bool>("transposed"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HjMatmulPacked, MatmulPacked,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x [..., R, K]
+                                  .Arg<ffi::AnyBuffer>()  // w bf16 [..., ceil(N / 32), ceil(K / 2) * 64]
+                                  .Ret<ffi::AnyBuffer>()  // y [..., R, N]
+                                  .Attr<int64_t>("isa")
+                                  .Attr<int64_t>("max_threads")
+                                  .Attr<int64_t>("tile_cols")
+                                  .Attr<int64_t>("k_slices"));
