@@ -77,7 +77,7 @@ def load_model(path: str | Path | None = None, dtype: str | None = None) -> Mode
     if path is None:
         from hybridjax.default_model import DEFAULT_NAME, default_model
 
-        cfg, params, tok = default_model()
+        cfg, params, tok = default_model(dtype or "float32")
         return Model(cfg, params, tok, DEFAULT_NAME)
     import hybridjax
     from hybridjax.tokenizer import Tokenizer

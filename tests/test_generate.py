@@ -212,6 +212,26 @@ def test_cli_default_model_runs(capsys):
     assert out["text"] == tok.decode(out["token_ids"], skip_special_tokens=True)
 
 
+def test_cli_dtype_and_packing_reach_the_default_model(capsys):
+    """--dtype is honoured for the embedded default (it was loaded as float32 whatever was asked),
+    and --pack-for-decode hands generate the packed params the library makes: same tokens as the
+    library's call on them (one code path, so equal exactly)."""
+    from hybridjax import cpu_kernels
+    from hybridjax.cli import main
+    from hybridjax.default_model import default_model
+
+    cfg, params, tok = default_model("bfloat16")
+    assert params.embed.dtype == jnp.bfloat16
+    prompt = tok.encode("Hello")
+    for flags, p in (([], params), (["--pack-for-decode"], cpu_kernels.pack_params(params))):
+        args = ["generate", "--no-compile-cache", "--dtype", "bfloat16", "--prompt", "Hello", "--max-new-tokens", "5", "--json"]
+        assert main(args + flags) == 0
+        expect = generate(p, cfg, [prompt], max_new_tokens=5, stop_ids=tok.eos_token_ids).token_lists()[0]
+        assert json.loads(capsys.readouterr().out)["token_ids"] == expect
+    assert main(["generate", "--no-compile-cache", "--pack-for-decode", "--prompt", "x"]) == 1
+    assert "--pack-for-decode needs --dtype bfloat16" in capsys.readouterr().err
+
+
 def test_donation_rule(loaded):
     """Only `..._donating` functions donate; `stream` from a kept cache leaves it intact."""
     from hybridjax.generate import decode_step, decode_step_donating, prefill

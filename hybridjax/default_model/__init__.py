@@ -52,9 +52,9 @@ TINY_CONFIG = {
 DEFAULT_CONFIG = TINY_CONFIG
 
 
-@functools.lru_cache(maxsize=1)
-def default_model() -> tuple[Config, Params, Tokenizer]:
-    """(cfg, float32 params, tokenizer) of the shipped default model."""
+@functools.lru_cache(maxsize=2)
+def default_model(dtype: str = "float32") -> tuple[Config, Params, Tokenizer]:
+    """(cfg, params in `dtype`, tokenizer) of the shipped default model (float32 weights)."""
     if not (WEIGHTS_DIR / "model.safetensors").is_file():
         raise FileNotFoundError(
             f"the default model's weights are missing from {WEIGHTS_DIR}: "
@@ -62,7 +62,7 @@ def default_model() -> tuple[Config, Params, Tokenizer]:
         )
     import hybridjax  # the facade's loader (conversion) is reached lazily, as the CLI does
 
-    cfg, params = hybridjax.load(WEIGHTS_DIR, dtype="float32")
+    cfg, params = hybridjax.load(WEIGHTS_DIR, dtype=dtype)
     return cfg, params, Tokenizer.from_dir(WEIGHTS_DIR, cfg.eos_token_id)
 
 
