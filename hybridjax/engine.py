@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import logging
 import queue
@@ -322,6 +323,7 @@ class Engine:
         self._seq = itertools.count()
         self._steps = itertools.count()
         self._inflight: _Step | None = None
+        self._waiting_snapshots: dict[int, list] = {}  # step index -> response snapshots its outputs decide
         self._thread: threading.Thread | None = None
         self._running = False
         self.ready = threading.Event()  # set once the worker serves (after any warm-up)
@@ -527,6 +529,7 @@ class Engine:
         self._inflight = None
         if self.store is not None:
             self.store.clear()
+        self._waiting_snapshots.clear()
         self.pool.reset()
         try:
             self._reset_device()
@@ -725,10 +728,18 @@ class Engine:
         """Store the row's state after its first `length` tokens: full pages by id; a partial
         last page copied (the row still writes into it) unless the row is done writing.
         ends: a response's (least, most) cache length once the dispatched steps have run
-        (`_ends`; a speculative engine snapshots a response only if that is `length`)."""
+        (`_ends`): a speculative engine snapshots a response only if that is `length`."""
         if self.store is None:
             return
         length = slot.pos if length is None else length
+        wait = False  # a speculative response: the step in flight decides (below)
+        if self.speculative_tokens and kind == "response":
+            if not ends[0] <= length <= ends[1]:
+                # The row ran past the response's end (a stop string seen by the host after the
+                # row accepted more drafts): the state at `length` is gone, so no snapshot.
+                self.counters["snapshots_skipped_speculative"] += 1
+                return
+            wait = ends[0] != ends[1]
         size = self.pool.page_size
         pages = slot.pages[: length // size]
         if length % size:
@@ -742,29 +753,32 @@ class Engine:
             else:
                 copy = []
                 pages = slot.pages[: pages_for(length, size)]
-        if self.speculative_tokens and kind == "response" and not self._holds_exactly(row, length, ends):
-            # The row ran past the response's end (a stop string seen by the host after the
-            # row accepted more drafts): the state at `length` is gone, so no snapshot.
-            self.counters["snapshots_skipped_speculative"] += 1
-            return
         gdn, logits = self.calls.read_row(self._state, row)
         tokens = (list(slot.prompt) + slot.drawn)[:length]
-        self.store.insert(tokens, gdn, logits, namespace=slot.handle.request.namespace, kind=kind, pages=pages)
+        insert = functools.partial(self.store.insert, tokens, gdn, logits, namespace=slot.handle.request.namespace,
+                                   kind=kind, pages=pages)
+        if wait:
+            # A drafting step in flight feeds the row (the host saw a stop the device did not):
+            # it ends at `length` only if it accepts no draft, which its outputs will say. The
+            # state read now is the state after it (device work runs in dispatch order); its
+            # pages are held until then. Asking the device now would wait for the step.
+            self.pool.retain(pages)
+            self._waiting_snapshots.setdefault(slot.last_step, []).append((slot, length, insert, pages))
+            self.counters["spec_snapshots_waiting"] += 1
+        else:
+            insert()
         if length % size and copy_partial:
             self.pool.release(copy)  # the store holds it now (or nobody, if it kept an equal older entry)
 
-    def _holds_exactly(self, row: int, length: int, ends: tuple[int, int]) -> bool:
-        """Whether the row's cache holds exactly `length` tokens once the dispatched steps have
-        run, from the bounds the host knows (`_ends`). Only when they straddle `length` (a
-        drafting step in flight on a row the host stopped, which may accept drafts past it) is
-        the device asked: that read waits for the step."""
-        least, most = ends
-        if not least <= length <= most:
-            return False
-        if least == most:
-            return True
-        self.counters["spec_snapshot_length_reads"] += 1
-        return int(np.asarray(self._state.lengths)[row]) == length
+    def _settle_snapshots(self, step: _Step, lengths: np.ndarray) -> None:
+        """The response snapshots that waited for `step` (`_snapshot`): stored if the step left
+        the row's cache at the response's end, else skipped."""
+        for slot, length, insert, pages in self._waiting_snapshots.pop(step.index, ()):
+            if int(lengths[step.slots.index(slot)]) == length:
+                insert()
+            else:
+                self.counters["snapshots_skipped_speculative"] += 1
+            self.pool.release(pages)
 
     def _ends(self, slot: _Slot, step: _Step, n: int, idle: bool, done: bool) -> tuple[int, int]:
         """(least, most) tokens in the row's cache once every dispatched step has run, from
@@ -818,6 +832,7 @@ class Engine:
             return self._process_speculative(step)
         drawn, done, lengths = step.outputs[0], np.asarray(step.outputs[1]), np.asarray(step.outputs[2])
         self._timed(step, None)
+        self._settle_snapshots(step, lengths)
         for i, slot in enumerate(step.slots):
             if slot is None or slot.finished:
                 continue
@@ -834,6 +849,7 @@ class Engine:
         last are accepted drafts, already in the row's cache; the last is too when the row went
         idle (it stopped on a draft), else it is the pending token the next step feeds."""
         drawn, count, accepted, drafting, lengths, idle, done = jax.device_get(step.outputs)
+        self._settle_snapshots(step, lengths)
         k = self.speculative_tokens
         rows = int(drafting.sum())
         self._timed(step, 1 + int(accepted.sum()) / rows if rows else None)
