@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import logging
 import queue
@@ -175,6 +176,7 @@ class _Slot:
     drawn: list[int] = dataclasses.field(default_factory=list)  # every token drawn (sent or not)
     held_text: str = ""  # decoded text not yet sent (it may be the start of a stop string)
     last_step: int = -1  # the last decode step this row was dispatched in
+    last_drafting: bool = False  # and whether that step drafts (`steps.spec_decode`)
     finished: bool = False
 
     @property
@@ -321,6 +323,7 @@ class Engine:
         self._seq = itertools.count()
         self._steps = itertools.count()
         self._inflight: _Step | None = None
+        self._waiting_snapshots: dict[int, list] = {}  # step index -> response snapshots its outputs decide
         self._thread: threading.Thread | None = None
         self._running = False
         self.ready = threading.Event()  # set once the worker serves (after any warm-up)
@@ -526,6 +529,7 @@ class Engine:
         self._inflight = None
         if self.store is not None:
             self.store.clear()
+        self._waiting_snapshots.clear()
         self.pool.reset()
         try:
             self._reset_device()
@@ -630,7 +634,7 @@ class Engine:
             self._end_background(slot)
         elif not slot.prefilling:  # an exact hit: the stored logits give the first token, no model call
             drawn, _, self._state = self.calls.sample_first(self._state, self._rows_array([row], self.decode_buckets))
-            self._deliver(slot, *_draw_of(drawn, 0, slot), start, moving=False)
+            self._deliver(slot, *_draw_of(drawn, 0, slot), start, moving=False, ends=(start, start))
         return True
 
     def _setup(self, state, row, gdn, logits, length, req: GenerationRequest):
@@ -699,7 +703,7 @@ class Engine:
             if not slot.prefilling and slot.handle.request.max_tokens == 0:
                 self._end_background(slot)
             elif last[i]:
-                self._deliver(slot, *_draw_of(drawn, i, slot), slot.pos, moving=False)
+                self._deliver(slot, *_draw_of(drawn, i, slot), slot.pos, moving=False, ends=(slot.pos, slot.pos))
 
     def _end_background(self, slot: _Slot) -> None:
         """A background prefill ends: counted apart, not as a finished request (nobody sent it)."""
@@ -719,12 +723,23 @@ class Engine:
             return "prompt"
         return "history" if slot.pos == slot.handle.request.history_len else "checkpoint"
 
-    def _snapshot(self, slot: _Slot, row: int, kind: str, length: int | None = None, copy_partial: bool = True) -> None:
+    def _snapshot(self, slot: _Slot, row: int, kind: str, length: int | None = None, copy_partial: bool = True,
+                  ends: tuple[int, int] | None = None) -> None:
         """Store the row's state after its first `length` tokens: full pages by id; a partial
-        last page copied (the row still writes into it) unless the row is done writing."""
+        last page copied (the row still writes into it) unless the row is done writing.
+        ends: a response's (least, most) cache length once the dispatched steps have run
+        (`_ends`): a speculative engine snapshots a response only if that is `length`."""
         if self.store is None:
             return
         length = slot.pos if length is None else length
+        wait = False  # a speculative response: the step in flight decides (below)
+        if self.speculative_tokens and kind == "response":
+            if not ends[0] <= length <= ends[1]:
+                # The row ran past the response's end (a stop string seen by the host after the
+                # row accepted more drafts): the state at `length` is gone, so no snapshot.
+                self.counters["snapshots_skipped_speculative"] += 1
+                return
+            wait = ends[0] != ends[1]
         size = self.pool.page_size
         pages = slot.pages[: length // size]
         if length % size:
@@ -738,16 +753,44 @@ class Engine:
             else:
                 copy = []
                 pages = slot.pages[: pages_for(length, size)]
-        if self.speculative_tokens and kind == "response" and int(np.asarray(self._state.lengths)[row]) != length:
-            # The row ran past the response's end (a stop string seen by the host after the
-            # row accepted more drafts): the state at `length` is gone, so no snapshot.
-            self.counters["snapshots_skipped_speculative"] += 1
-            return
         gdn, logits = self.calls.read_row(self._state, row)
         tokens = (list(slot.prompt) + slot.drawn)[:length]
-        self.store.insert(tokens, gdn, logits, namespace=slot.handle.request.namespace, kind=kind, pages=pages)
+        insert = functools.partial(self.store.insert, tokens, gdn, logits, namespace=slot.handle.request.namespace,
+                                   kind=kind, pages=pages)
+        if wait:
+            # A drafting step in flight feeds the row (the host saw a stop the device did not):
+            # it ends at `length` only if it accepts no draft, which its outputs will say. The
+            # state read now is the state after it (device work runs in dispatch order); its
+            # pages are held until then. Asking the device now would wait for the step.
+            self.pool.retain(pages)
+            self._waiting_snapshots.setdefault(slot.last_step, []).append((slot, length, insert, pages))
+            self.counters["spec_snapshots_waiting"] += 1
+        else:
+            insert()
         if length % size and copy_partial:
             self.pool.release(copy)  # the store holds it now (or nobody, if it kept an equal older entry)
+
+    def _settle_snapshots(self, step: _Step, lengths: np.ndarray) -> None:
+        """The response snapshots that waited for `step` (`_snapshot`): stored if the step left
+        the row's cache at the response's end, else skipped."""
+        for slot, length, insert, pages in self._waiting_snapshots.pop(step.index, ()):
+            if int(lengths[step.slots.index(slot)]) == length:
+                insert()
+            else:
+                self.counters["snapshots_skipped_speculative"] += 1
+            self.pool.release(pages)
+
+    def _ends(self, slot: _Slot, step: _Step, n: int, idle: bool, done: bool) -> tuple[int, int]:
+        """(least, most) tokens in the row's cache once every dispatched step has run, from
+        step `step`'s outputs (n: the row's length after it; idle: its last token is fed; done:
+        it draws no more, on the device). Only the step after it (dispatched before these
+        outputs were read) can move the row: a row it feeds that is done or that it does not
+        draft for takes one token (its pending one); one it drafts for takes 1 to K + 1."""
+        if slot.last_step <= step.index or idle:
+            return n, n
+        if done or not slot.last_drafting:
+            return n + 1, n + 1
+        return n + 1, n + 1 + self.speculative_tokens
 
     # --- decode ---------------------------------------------------------------------------
     def _dispatch(self) -> _Step | None:
@@ -773,7 +816,7 @@ class Engine:
         slots = [self._rows[r] if r < self.slots else None for r in arr]
         for s in slots:
             if s is not None:
-                s.last_step = index
+                s.last_step, s.last_drafting = index, draft
         self.counters["steps"] += 1
         step = _Step(index, slots, outputs, draft, started, self._prefilled)
         self._prefilled = False
@@ -787,8 +830,9 @@ class Engine:
         """Deliver a finished step's tokens (the next step may already be running)."""
         if step.speculative:
             return self._process_speculative(step)
-        drawn, lengths = step.outputs[0], np.asarray(step.outputs[2])
+        drawn, done, lengths = step.outputs[0], np.asarray(step.outputs[1]), np.asarray(step.outputs[2])
         self._timed(step, None)
+        self._settle_snapshots(step, lengths)
         for i, slot in enumerate(step.slots):
             if slot is None or slot.finished:
                 continue
@@ -796,13 +840,16 @@ class Engine:
                 self._close(slot, "cancelled")
                 self._free(slot)
                 continue
-            self._deliver(slot, *_draw_of(drawn, i, slot), int(lengths[i]), moving=slot.last_step > step.index)
+            n = int(lengths[i])
+            self._deliver(slot, *_draw_of(drawn, i, slot), n, moving=slot.last_step > step.index,
+                          ends=self._ends(slot, step, n, False, bool(done[i])))  # it drew: not idle
 
     def _process_speculative(self, step: _Step) -> None:
         """`_process` for a speculative step: each row drew 0 .. K+1 tokens. Those before the
         last are accepted drafts, already in the row's cache; the last is too when the row went
         idle (it stopped on a draft), else it is the pending token the next step feeds."""
-        drawn, count, accepted, drafting, lengths, idle = jax.device_get(step.outputs)
+        drawn, count, accepted, drafting, lengths, idle, done = jax.device_get(step.outputs)
+        self._settle_snapshots(step, lengths)
         k = self.speculative_tokens
         rows = int(drafting.sum())
         self._timed(step, 1 + int(accepted.sum()) / rows if rows else None)
@@ -819,6 +866,7 @@ class Engine:
                 continue
             c, n = int(count[i]), int(lengths[i])
             fed = c if idle[i] else c - 1  # tokens drawn this step that the cache now covers
+            ends = self._ends(slot, step, n, bool(idle[i]), bool(done[i]))
             want = slot.handle.request.logprobs
             for j in range(c):
                 lp = ()
@@ -826,9 +874,9 @@ class Engine:
                     top = zip(drawn.top_ids[i, j, :want].tolist(), drawn.top_logprobs[i, j, :want].tolist())
                     lp = (float(drawn.logprob[i, j]), tuple(top))
                 if j < fed:  # in the cache at position n - fed + j
-                    self._deliver(slot, int(drawn.tokens[i, j]), lp, n - fed + j, moving=True)
+                    self._deliver(slot, int(drawn.tokens[i, j]), lp, n - fed + j, moving=True, ends=ends)
                 else:
-                    self._deliver(slot, int(drawn.tokens[i, j]), lp, n, moving=slot.last_step > step.index)
+                    self._deliver(slot, int(drawn.tokens[i, j]), lp, n, moving=slot.last_step > step.index, ends=ends)
                 if slot.finished:
                     break
 
@@ -841,9 +889,11 @@ class Engine:
         self._last_done = done
 
     # --- delivery and the end of a request -------------------------------------------------
-    def _deliver(self, slot: _Slot, token: int, logprobs: tuple, length: int, moving: bool) -> None:
+    def _deliver(self, slot: _Slot, token: int, logprobs: tuple, length: int, moving: bool,
+                 ends: tuple[int, int]) -> None:
         """Send one drawn token. `length`: the row's cache length when it was drawn; `moving`: a
-        step already dispatched feeds it (the next step feeds a finished row's last token too)."""
+        step already dispatched feeds it (the next step feeds a finished row's last token too);
+        `ends`: the row's (least, most) cache length once the dispatched steps have run (`_ends`)."""
         h, req = slot.handle, slot.handle.request
         slot.drawn.append(token)
         h.token_ids.append(token)
@@ -870,7 +920,7 @@ class Engine:
             # a dispatched step feeds the last one (a response that ends while decoding), else
             # all but the last (one that ends at its first token: the prompt's snapshot already).
             # The snapshot is read after that step: device work runs in dispatch order.
-            self._snapshot(slot, slot.row, "response", length=length + int(moving), copy_partial=False)
+            self._snapshot(slot, slot.row, "response", length=length + int(moving), copy_partial=False, ends=ends)
             self._free(slot)
 
     def _close(self, slot: _Slot, reason: str) -> None:

@@ -298,7 +298,7 @@ def _spec_decode(params, state, rows, table, cfg, k, implementation=None):
     A row that is done (on the device) only gets its last token fed, as in `_decode`; a row
     that accepts a stop id or exhausts its budget on a draft stops there (that draft is fed: it
     goes idle at once). Returns ((SpecDrawn, count [R] tokens drawn, accepted [R] drafts,
-    drafting [R] rows that drafted, lengths [R] after the step, idle [R]), state)."""
+    drafting [R] rows that drafted, lengths [R] after the step, idle [R], done [R]), state)."""
     from hybridjax import speculative as spec
 
     r = rows.shape[0]
@@ -386,7 +386,8 @@ def _spec_decode(params, state, rows, table, cfg, k, implementation=None):
     lps = [jnp.concatenate([jnp.moveaxis(a, 0, 1), b[:, None]], axis=1) for a, b in zip(lps, lp_last)]
     lps = [jnp.where(last_col.reshape(last_col.shape + (1,) * (a.ndim - 2)), b[:, None], a)
            for a, b in zip(lps, lp_last)]
-    out = (SpecDrawn(tokens, *lps), n_acc + draw, n_acc, drafting, _take(state.lengths, rows), idle | ~feed)
+    out = (SpecDrawn(tokens, *lps), n_acc + draw, n_acc, drafting, _take(state.lengths, rows), idle | ~feed,
+           _take(state.done, rows))
     return out, pin_state(state, params.mesh)
 
 

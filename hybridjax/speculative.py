@@ -49,9 +49,14 @@ from hybridjax.sampling import Sampler, SamplingParams, apply_penalties, filter_
 Array = jax.Array
 
 ROLLBACKS = ("states", "rerun")
-# Salts folded into a row's key at one step count: draft draws, acceptance uniforms and residual
-# draws must be independent of each other and of the plain draw (which folds in nothing more).
-_DRAFT, _ACCEPT, _RESIDUAL = 0x5EED0, 0x5EED1, 0x5EED2
+# Salts folded into a row's key at one step count: draft draws (draft j: _DRAFT + j), acceptance
+# uniforms and residual draws must be independent of each other and of the plain draw (which
+# folds in nothing more), so the ranges must not meet. They once did (_ACCEPT was _DRAFT + 1):
+# threefry is counter-based, so the second draft's Gumbel noise for token 0 was the first
+# draft's acceptance uniform, and after an accepted first draft (a small uniform) the second was
+# drawn from a skewed q while judged against q: a bias of 0.01-0.02 in total variation on the
+# test model of tests/test_engine_spec_sampling.py (computed exactly there).
+_DRAFT, _ACCEPT, _RESIDUAL = 0x5EED0, 0x5EEA0, 0x5EEB0
 
 
 @struct.dataclass
@@ -74,6 +79,7 @@ class SpecState:
 
 
 MAX_DRAFT = 4
+assert not {_ACCEPT, _RESIDUAL} & set(range(_DRAFT, _DRAFT + MAX_DRAFT))  # independent keys (above)
 # Adaptive mode: the acceptance rate below which a step of K drafts costs more than it gains
 # (1 + K * rate tokens per step against the step's cost relative to a plain decode step,
 # measured on the embedded default on CPU: benchmarks/bench_speculative.py --head random), and

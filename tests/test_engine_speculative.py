@@ -151,6 +151,8 @@ def test_greedy_same_tokens_as_without_drafts(spec, reference):
     steps_ = spec.counters["spec_verify_steps"] - before.get("spec_verify_steps", 0)
     assert 0.2 < accepted / drafted < 0.9, (accepted, drafted)  # both the accepting and the rejecting paths
     assert steps_ < max(MAX_TOKENS) - 1  # steps that gained several tokens per row
+    # rows that end by max_tokens: the host knows where their caches end at once
+    assert spec.counters["spec_snapshots_waiting"] == before.get("spec_snapshots_waiting", 0)
 
 
 def test_adaptive_engine_mixes_plain_and_drafting_steps(engines, reference):
@@ -227,6 +229,44 @@ def test_cache_hits_under_speculation_equal_the_cold_path(spec, reference):
     assert follow.token_ids == reference[0][n:]
     assert follow.cached_tokens >= len(longer) - 1  # the response snapshot (all but the last token, or all)
     assert spec.counters["tokens_prefilled"] - prefilled <= 1
+
+
+def assert_snapshots_are_their_tokens(eng, model):
+    """Every snapshot in the engine's store: its logits are a cold pass's after its tokens."""
+    cfg, params = model
+    for snap in eng.store.snapshots():
+        n = len(snap.tokens)
+        tokens = np.zeros((1, 64), np.int32)
+        tokens[0, :n] = snap.tokens
+        hidden, _, _ = _cold_pass(params, tokens, jnp.int32(n), cfg)
+        assert rel(snap.logits, lm_logits(params, hidden[0, n - 1])) < 1e-4, (snap.kind, n)
+
+
+def test_host_side_stops_leave_only_right_snapshots(spec, model, reference):
+    """Stop ids past the device's first MAX_STOPS are seen by the host only, a step late (as
+    stop strings are): the row may have accepted drafts past the stop (no snapshot), or the
+    step in flight drafts on it, and the response snapshot waits for that step's outputs: kept
+    if it accepted no draft. Either way every snapshot is its tokens' state."""
+    filler = tuple(range(VOCAB, VOCAB + steps.MAX_STOPS))  # never drawn: the device's stop list is full
+    row = reference[3]
+    firsts = [i for i in range(1, 24) if row[i] not in row[:i]]  # each token's first occurrence
+    before = dict(spec.counters)
+    for i in firsts:  # one at a time: the greedy tokens, and so where the row stops, are known
+        h = run_all(spec, [PROMPTS[3]], [30], stop_ids=filler + (row[i],))[0]
+        assert h.token_ids == row[: i + 1] and h.finish_reason == "stop"
+    wait_idle(spec)
+    stored = {tuple(s.tokens) for s in spec.store.snapshots() if s.kind == "response"}
+    assert any(tuple(PROMPTS[3] + row[: i + 1]) in stored for i in firsts)  # the whole response, stop included
+    sampled = [spec.submit(GenerationRequest(list(PROMPTS[3]), max_tokens=24, stop_ids=filler + (row[firsts[1]],),
+                                             temperature=1.0, seed=seed)) for seed in range(8)]  # 4 rows a step
+    for h in sampled:
+        list(h.events(timeout=TIMEOUT))
+        assert h.finish_reason == "length" or h.token_ids.index(row[firsts[1]]) == len(h.token_ids) - 1
+    wait_idle(spec)
+    delta = {key: spec.counters[key] - before.get(key, 0) for key in ("snapshots_skipped_speculative",
+                                                                      "spec_snapshots_waiting")}
+    assert_snapshots_are_their_tokens(spec, model)
+    assert delta["snapshots_skipped_speculative"] > 0 and delta["spec_snapshots_waiting"] > 0, delta
 
 
 # --- metrics, sampling ------------------------------------------------------------------------
@@ -306,12 +346,7 @@ def test_serve_with_speculative_tokens_over_http(model, reference):
         assert 0 < metric(text, "hybridjax_speculative_accepted_tokens_total") <= metric(
             text, "hybridjax_speculative_drafted_tokens_total")
         wait_idle(engine)
-        for snap in engine.store.snapshots():  # every snapshot, stop string or not, is its tokens' state
-            n = len(snap.tokens)
-            tokens = np.zeros((1, 64), np.int32)
-            tokens[0, :n] = snap.tokens
-            hidden, _, _ = _cold_pass(params, tokens, jnp.int32(n), cfg)
-            assert rel(snap.logits, lm_logits(params, hidden[0, n - 1])) < 1e-4, (snap.kind, n)
+        assert_snapshots_are_their_tokens(engine, model)  # stop string or not
     finally:
         server.should_exit = True
         thread.join(timeout=60)
