@@ -35,7 +35,11 @@ step drafts (the engine's default); "adaptive": plain steps while drafting does 
 (`engine._SpecPolicy`); "drafting" = the share of steps that drafted.
 
 The machine is shared with other agents: compare figures of one run only, as ratios to K = 0;
-each table prints the load average when it is printed.
+each table prints the load average when it is printed. "cpu tok/s": the same count over the
+process's CPU time (`time.process_time`, all its threads) instead of wall time: time this
+process waits for a core while others run is not in it, so at a load of 6-8 on 2 cores it is far
+steadier than wall time (measured: wall repeats of one K spread 1.1-8.5 s, CPU 1.05-1.08 s); it
+still sees other processes' use of memory bandwidth and caches, and spinning threads.
 """
 
 from __future__ import annotations
@@ -145,27 +149,31 @@ def bench_engine(args) -> list:
             def run(k):
                 eng = engines[k]  # k: (K, adaptive)
                 handles = [eng.submit(GenerationRequest(p, max_tokens=args.new_tokens)) for p in prompts]
-                first, last = [], []
+                first, last, cpu0 = [], [], None
                 for h in handles:
                     for i, _ in enumerate(h.events()):
                         if i == 0:
                             first.append(time.perf_counter())
+                            cpu0 = time.process_time() if cpu0 is None else cpu0  # the first request's first token
                     last.append(time.perf_counter())
                 tokens = sum(len(h.token_ids) - 1 for h in handles)
-                return tokens / (max(last) - min(first)), [h.token_ids for h in handles]
+                return (tokens / (max(last) - min(first)), tokens / (time.process_time() - cpu0)), \
+                    [h.token_ids for h in handles]
 
             results = {}
             for c in configs:  # compile what a round runs (not timed)
                 _, toks = run(c)
-                results[c] = dict(tok_s=[], same_tokens=toks == results[configs[0]]["ref"] if results else True, ref=toks)
+                results[c] = dict(tok_s=[], cpu_tok_s=[], same_tokens=toks == results[configs[0]]["ref"] if results else True, ref=toks)
             counts = {c: dict(engines[c].counters) for c in configs}
             for _ in range(args.repeats):
                 for c in configs:
-                    results[c]["tok_s"].append(run(c)[0])
+                    wall, cpu = run(c)[0]
+                    results[c]["tok_s"].append(wall)
+                    results[c]["cpu_tok_s"].append(cpu)
             print(f"\nengine, streams={streams}, {loadavg()}")
-            print(f"{'K':>2} {'mode':>8} {'decode tok/s':>12} {'vs K=0':>7} {'accept':>7} {'tok/step':>8} {'drafting':>8} "
-                  f"{'same':>5}")
-            base = None
+            print(f"{'K':>2} {'mode':>8} {'decode tok/s':>12} {'vs K=0':>7} {'cpu tok/s':>9} {'vs K=0':>7} {'accept':>7} "
+                  f"{'tok/step':>8} {'drafting':>8} {'same':>5}")
+            base = cbase = None
             for (k, adaptive), r in results.items():
                 c0, c1 = counts[(k, adaptive)], engines[(k, adaptive)].counters
                 steps = c1["steps"] - c0.get("steps", 0)
@@ -173,13 +181,14 @@ def bench_engine(args) -> list:
                 drafted = c1["spec_drafted_tokens"] - c0.get("spec_drafted_tokens", 0)
                 accepted = c1["spec_accepted_tokens"] - c0.get("spec_accepted_tokens", 0)
                 rate = accepted / drafted if drafted else float("nan")
-                tps = max(r["tok_s"])
-                base = base or tps
+                tps, ctps = max(r["tok_s"]), max(r["cpu_tok_s"])
+                base, cbase = base or tps, cbase or ctps
                 per_step = 1 + k * rate if k else 1.0
                 mode = "-" if not k else "adaptive" if adaptive else "fixed"
-                print(f"{k:>2} {mode:>8} {tps:>12.1f} {tps / base:>6.2f}x {rate:>7.2f} {per_step:>8.2f} {share:>8.2f} "
-                      f"{str(r['same_tokens']):>5}", flush=True)
+                print(f"{k:>2} {mode:>8} {tps:>12.1f} {tps / base:>6.2f}x {ctps:>9.1f} {ctps / cbase:>6.2f}x {rate:>7.2f} "
+                      f"{per_step:>8.2f} {share:>8.2f} {str(r['same_tokens']):>5}", flush=True)
                 rows.append(dict(section="engine", k=k, mode=mode, streams=streams, decode_tok_s=tps, ratio=tps / base,
+                                 cpu_tok_s=ctps, cpu_ratio=ctps / cbase,
                                  acceptance=rate, tokens_per_step=per_step, drafting_share=share,
                                  same_tokens=r["same_tokens"], load=loadavg()))
     finally:
@@ -225,28 +234,29 @@ def bench_library(args) -> list:
             same = toks == ref
             acc = (int(np.sum(g.accepted)), int(np.sum(g.drafted))) if k else (0, 0)
             results[(k, rb)] = dict(k=k, rollback=rb, streams=streams, same_tokens=same, accepted=acc[0], drafted=acc[1],
-                                    full=[], prefill=[])
+                                    full=[], prefill=[], cpu_full=[], cpu_prefill=[])
         for _ in range(args.repeats):  # best of the repeats: the least disturbed by other processes
             for k, rb in configs:
-                t = time.perf_counter()
-                run(k, rb, 1)
-                results[(k, rb)]["prefill"].append(time.perf_counter() - t)
-                t = time.perf_counter()
-                run(k, rb, args.new_tokens)
-                results[(k, rb)]["full"].append(time.perf_counter() - t)
-        base = None
+                for name, n in (("prefill", 1), ("full", args.new_tokens)):
+                    t, c = time.perf_counter(), time.process_time()
+                    run(k, rb, n)
+                    results[(k, rb)][name].append(time.perf_counter() - t)
+                    results[(k, rb)]["cpu_" + name].append(time.process_time() - c)
+        base = cbase = None
         print(f"\nstreams={streams}, {loadavg()}")
-        print(f"{'K':>2} {'rollback':>12} {'decode tok/s':>12} {'vs K=0':>7} {'accept':>7} {'tok/step':>8} {'same':>5}")
+        print(f"{'K':>2} {'rollback':>12} {'decode tok/s':>12} {'vs K=0':>7} {'cpu tok/s':>9} {'vs K=0':>7} {'accept':>7} "
+              f"{'tok/step':>8} {'same':>5}")
         for (k, rb), r in results.items():
             dec = min(r["full"]) - min(r["prefill"])
             tps = streams * (args.new_tokens - 1) / dec
-            base = base or tps
+            ctps = streams * (args.new_tokens - 1) / (min(r["cpu_full"]) - min(r["cpu_prefill"]))
+            base, cbase = base or tps, cbase or ctps
             rate = r["accepted"] / r["drafted"] if r["drafted"] else float("nan")
             per_step = 1 + k * rate if k else 1.0
-            r.update(decode_tok_s=tps, ratio=tps / base, acceptance=rate, tokens_per_step=per_step, load=loadavg())
-            print(f"{k:>2} {rb:>12} {tps:>12.1f} {tps / base:>6.2f}x {rate:>7.2f} {per_step:>8.2f} {str(r['same_tokens']):>5}",
-                  flush=True)
-            rows.append({key: v for key, v in r.items() if key not in ("full", "prefill")})
+            r.update(decode_tok_s=tps, ratio=tps / base, cpu_tok_s=ctps, cpu_ratio=ctps / cbase, acceptance=rate, tokens_per_step=per_step, load=loadavg())
+            print(f"{k:>2} {rb:>12} {tps:>12.1f} {tps / base:>6.2f}x {ctps:>9.1f} {ctps / cbase:>6.2f}x {rate:>7.2f} "
+                  f"{per_step:>8.2f} {str(r['same_tokens']):>5}", flush=True)
+            rows.append({key: v for key, v in r.items() if key not in ("full", "prefill", "cpu_full", "cpu_prefill")})
     return rows
 
 
