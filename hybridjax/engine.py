@@ -210,9 +210,10 @@ class _SpecPolicy:
     then after twice as many each time the probe leaves the choice as it was (up to MAX_PROBE),
     back to PROBE when the choice flips (as `speculative`'s library mode backs off). A probe
     costs (t_draft / t_plain - 1) plain steps: with a fixed gap of 16 and drafting steps of
-    1.6-3 plain ones (benchmarks/bench_speculative.py --model wide --head random, K = 1..4) that
-    is 4-12% at low acceptance, against the 5% allowed; backing off to 64 bounds it by 1-3% once
-    the choice has settled, and still notices within 64 steps that drafting began to pay."""
+    1.4-2.3 plain ones (CPU time, benchmarks/bench_speculative.py --model wide --head random,
+    K = 1..4, one stream) that is 3-8% at low acceptance, against the 5% allowed; backing off to
+    64 bounds it by 1-2% once the choice has settled (measured: 0.96x K = 0 at every K, 2% of
+    steps drafting), and still notices within 64 steps that drafting began to pay."""
 
     PROBE, MAX_PROBE = 16, 64
 
