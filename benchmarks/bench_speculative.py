@@ -98,7 +98,9 @@ def loadavg() -> str:
 
 
 def load(args):
+    import atexit
     import os
+    import shutil
     import tempfile
 
     import hybridjax
@@ -111,7 +113,9 @@ def load(args):
             import widen_model
 
             f, g = (int(x) for x in args.widen.split(","))
-            path = os.path.join(tempfile.mkdtemp(prefix="bench_spec_"), f"wide-{f}-{g}")
+            tmp = tempfile.mkdtemp(prefix="bench_spec_")
+            atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+            path = os.path.join(tmp, f"wide-{f}-{g}")
             widen_model.widen_dir(widen_model.DEFAULT_SRC, path, f, g)
         cfg, params = hybridjax.load(path, dtype="float32")
         tok = Tokenizer.from_dir(path, cfg.eos_token_id)
