@@ -372,3 +372,28 @@ def test_after_warmup_the_engines_compiled_nothing(spec):
     """Everything above (batches of 1-4 rows, hits, repeats, stops, sampling, the HTTP server's
     engine of the same configuration) ran only programs the warm-up had compiled."""
     assert {name: getattr(steps, name)._cache_size() for name in ENGINE_STEPS + ("decode",)} == _compiled
+
+
+def test_spec_policy_backs_off_probes_that_lose():
+    """`_SpecPolicy` (pure host logic): while drafting loses (a drafting step twice a plain one's
+    time for one token), probes come after 16, 32, then every 64 steps; when drafting wins, plain probes
+    back off alike; a flip of the choice restarts the gap at 16."""
+    from hybridjax.engine import _SpecPolicy
+
+    pol = _SpecPolicy()
+
+    def run(n, t_spec, gain):
+        kinds = []
+        for _ in range(n):
+            d = pol.draft(4)
+            pol.record(d, 4, t_spec if d else 1.0, gain if d else None)
+            kinds.append(d)
+        return kinds
+
+    kinds = run(2000, 2.0, 1.0)
+    assert kinds[0] and not kinds[1]  # measures both kinds first
+    probes = [i for i, d in enumerate(kinds) if d][1:]
+    assert [b - a for a, b in zip(probes, probes[1:])][:5] == [32, 64, 64, 64, 64]
+    assert sum(kinds) <= 2 + 2000 // 64 + 2  # overhead (t_spec / t_plain - 1) / 64 once settled
+    kinds = run(400, 1.0, 3.0)  # drafting now pays (3 tokens at a plain step's time): the next probe sees it
+    assert all(kinds[100:112]) and 300 - 300 // 16 <= sum(kinds[100:]) < 300  # plain probes, backing off
