@@ -85,8 +85,16 @@ assert not {_ACCEPT, _RESIDUAL} & set(range(_DRAFT, _DRAFT + MAX_DRAFT))  # inde
 # measured on the embedded default on CPU: benchmarks/bench_speculative.py --head random), and
 # how often a plain-decoding batch tries drafting again.
 # (A drafting step cost 1.6-1.75 plain steps at K = 1, 2.0-2.3 at K = 2, ~3 at K = 4.)
+# A probe verifies K drafts for every row, so its extra cost grows with K x rows: the gap after
+# a failed probe grows with it (PROBE_EVERY / 2 x K x rows, doubling while probes fail), which
+# keeps probing a few percent of the steps' time (widened default, random head: a gap of 16
+# whatever K and rows cost 6-10% at K = 4 or at 4 rows).
 MIN_RATE = {1: 0.6, 2: 0.6, 3: 0.55, 4: 0.55}
 PROBE_EVERY, MAX_PROBE_GAP = 16, 256
+
+
+def _base_probe_gap(rows: int, k: int) -> int:
+    return min(PROBE_EVERY // 2 * k * rows, MAX_PROBE_GAP // 2)
 
 
 def check_speculative(params: Params, k: int, rollback: str = "states") -> None:
@@ -254,7 +262,7 @@ def spec_step(params: Params, st: SpecState, sampler: Sampler, active: Array, bu
     rate = jnp.where(jnp.any(proposing), 0.5 * st.rate + 0.5 * jnp.sum(n_acc) / jnp.maximum(k * jnp.sum(proposing), 1),
                      st.rate)
     low = rate < MIN_RATE[k]  # a failed probe: wait twice as long for the next one
-    gap = jnp.where(low, jnp.minimum(2 * st.probe_gap, MAX_PROBE_GAP), PROBE_EVERY)
+    gap = jnp.where(low, jnp.minimum(2 * st.probe_gap, MAX_PROBE_GAP), _base_probe_gap(n_acc.shape[0], k))
     new = new.replace(rate=rate, probe_gap=gap, probe_at=jnp.where(low, st.steps + gap, st.probe_at))
     return fed, n_fed, stopped, new, sampler
 
@@ -319,7 +327,7 @@ def prefill(params: Params, tokens: Array, counts: Array, cache: Cache, k: int, 
         tokens=jnp.zeros((b, k + 1), jnp.int32), last=jnp.zeros((b,), jnp.int32),
         logits=lm_logits(params, last_h), forced=jnp.full((b,), -1, jnp.int32),
         drafted=jnp.zeros((b,), jnp.int32), accepted=jnp.zeros((b,), jnp.int32),
-        rate=jnp.float32(1.0), steps=jnp.int32(0), probe_at=jnp.int32(0), probe_gap=jnp.int32(PROBE_EVERY),
+        rate=jnp.float32(1.0), steps=jnp.int32(0), probe_at=jnp.int32(0), probe_gap=jnp.int32(_base_probe_gap(b, k)),
     )
 
 
