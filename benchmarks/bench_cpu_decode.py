@@ -309,6 +309,22 @@ def print_step_table(steps: dict, wbytes: dict, f32_bytes: int) -> None:
 # --- llama.cpp ------------------------------------------------------------------------------
 
 
+def print_round_ratios(dec: dict, llama: list[dict], n: int) -> None:
+    """Our tok/s over llama.cpp's, round by round (each round runs both, so a slow or fast spell
+    of the shared machine hits the pair alike): median and range per (mode, GGUF)."""
+    print("\nper-round ratio, our mode / llama.cpp (median [min-max] over rounds):\n")
+    print("| mode | " + " | ".join(Path(r["gguf"]).name for r in llama) + " |")
+    print("|---|" + "---:|" * len(llama))
+    for name, d in dec.items():
+        ours = [(n - 1) / (t_n - t_1) for t_n, t_1 in zip(d["raw"]["n"], d["raw"]["one"])]
+        cells = []
+        for r in llama:
+            q = [a / b for a, b in zip(ours, r["rounds"])]
+            cells.append(f"{statistics.median(q):.2f}x [{min(q):.2f}-{max(q):.2f}]")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+
 def llama_bench(binary: str, gguf: str, threads: int, n: int, depth: int) -> dict:
     """tg<n> after a <depth>-token context (-d), as our decode runs after the prompt; one
     repetition (run_decode calls it once per round)."""
@@ -418,6 +434,8 @@ def main(argv=None) -> int:
         rel = f"{r['tok_s'] / base:.2f}x" if base else "-"
         print(f"| llama.cpp {Path(r['gguf']).name} | {r['tok_s']:.1f} (rounds {min(r['rounds']):.1f}-{max(r['rounds']):.1f}) | "
               f"{1e3 / r['tok_s']:.2f} | - | {r['tok_s'] / bound_tok_s:.2f} | {rel} |")
+    if llama:
+        print_round_ratios(dec, llama, a.new_tokens)
     if steps:
         print_step_table(steps, wbytes, f32_bytes)
     if acc:
