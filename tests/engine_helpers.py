@@ -71,3 +71,31 @@ def covered(handle) -> int:
     it (a dispatched step feeds that token), all but the last when max_tokens did (no step is
     spent feeding a token nobody needs yet: the next request would wait for it)."""
     return len(handle.token_ids) - (handle.finish_reason == "length")
+
+
+def _quiet(layer, c):
+    m, f = layer.mixer, layer.ffn
+    m = m.replace(o_proj=m.o_proj * c) if hasattr(m, "o_proj") else m.replace(out_proj=m.out_proj * c)
+    return layer.replace(mixer=m, ffn=f.replace(down=f.down * c))
+
+
+def speculative_test_model(vocab: int, scale: float, head_scale: float = 1.0):
+    """(cfg, params) of the tiny model built to accept drafts often: every layer's residual
+    writes scaled by `scale` (so the next token depends mostly on the current one), and an MTP
+    head that reads only the token embedding; `head_scale` scales the head's logits (through its
+    (1 + w) final norm). No stop id lies in the vocabulary."""
+    import jax
+    import jax.numpy as jnp
+
+    from hybridjax.config import config_from_dict
+    from hybridjax.default_model import TINY_CONFIG
+    from hybridjax.params import init_params
+
+    cfg = config_from_dict(dict(TINY_CONFIG, vocab_size=vocab, eos_token_id=127))
+    params = init_params(jax.random.PRNGKey(0), cfg, mtp=True)
+    d = cfg.hidden_size
+    fc = jnp.concatenate([jnp.eye(d), jnp.zeros((d, d))], axis=0).astype(params.mtp.fc.dtype)  # [2D, D]: embedding only
+    mtp = params.mtp.replace(fc=fc, layer=_quiet(params.mtp.layer, scale))
+    if head_scale != 1.0:
+        mtp = mtp.replace(norm=(mtp.norm + 1) * head_scale - 1)
+    return cfg, params.replace(layers=tuple(_quiet(layer, scale) for layer in params.layers), mtp=mtp)

@@ -57,13 +57,12 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from engine_helpers import speculative_test_model
+
 import hybridjax
-from hybridjax.config import config_from_dict
-from hybridjax.default_model import TINY_CONFIG
 from hybridjax.engine import Engine, GenerationRequest
 from hybridjax.model import forward_hidden, lm_logits
 from hybridjax.mtp import init_mtp_state, mtp_hidden
-from hybridjax.params import init_params
 from hybridjax.prefix_cache import SnapshotStore
 from hybridjax.sampling import apply_penalties, filter_logits, logprobs_of, sampling_params
 
@@ -80,21 +79,9 @@ TIMEOUT = 600
 log = logging.getLogger(__name__)
 
 
-def _quiet(layer, c):
-    m, f = layer.mixer, layer.ffn
-    m = m.replace(o_proj=m.o_proj * c) if hasattr(m, "o_proj") else m.replace(out_proj=m.out_proj * c)
-    return layer.replace(mixer=m, ffn=f.replace(down=f.down * c))
-
-
 @pytest.fixture(scope="module")
 def model():
-    cfg = config_from_dict(dict(TINY_CONFIG, vocab_size=VOCAB, eos_token_id=127))  # no stop id in the vocabulary
-    params = init_params(jax.random.PRNGKey(0), cfg, mtp=True)
-    d = cfg.hidden_size
-    fc = jnp.concatenate([jnp.eye(d), jnp.zeros((d, d))], axis=0).astype(params.mtp.fc.dtype)  # embedding only
-    norm = (params.mtp.norm + 1) * HEAD_SCALE - 1  # a (1 + w) norm: the head's logits scaled by HEAD_SCALE
-    mtp = params.mtp.replace(fc=fc, layer=_quiet(params.mtp.layer, SCALE), norm=norm)
-    return cfg, params.replace(layers=tuple(_quiet(layer, SCALE) for layer in params.layers), mtp=mtp)
+    return speculative_test_model(VOCAB, SCALE, HEAD_SCALE)
 
 
 # --- the exact distributions ------------------------------------------------------------------

@@ -43,16 +43,15 @@ import openai
 import pytest
 import uvicorn
 
+from engine_helpers import speculative_test_model
+
 import hybridjax
 import hybridjax.engine_steps as steps
 from hybridjax.cache import GDNState, KVState
-from hybridjax.config import config_from_dict
-from hybridjax.default_model import TINY_CONFIG
 from hybridjax.engine import Engine, GenerationRequest
 from hybridjax.generate import generate
 from hybridjax.model import forward_hidden, lm_logits
 from hybridjax.mtp import init_mtp_state, mtp_hidden
-from hybridjax.params import init_params
 from hybridjax.prefix_cache import SnapshotStore
 from hybridjax.server.metrics import render_metrics
 from hybridjax.tokenizer import char_level_tokenizer
@@ -73,20 +72,9 @@ def rel(a, b) -> float:
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
-def _quiet(layer, c):
-    m, f = layer.mixer, layer.ffn
-    m = m.replace(o_proj=m.o_proj * c) if hasattr(m, "o_proj") else m.replace(out_proj=m.out_proj * c)
-    return layer.replace(mixer=m, ffn=f.replace(down=f.down * c))
-
-
 @pytest.fixture(scope="module")
 def model():
-    cfg = config_from_dict(dict(TINY_CONFIG, vocab_size=VOCAB, eos_token_id=127))  # no stop id in the vocabulary
-    params = init_params(jax.random.PRNGKey(0), cfg, mtp=True)
-    d = cfg.hidden_size
-    fc = jnp.concatenate([jnp.eye(d), jnp.zeros((d, d))], axis=0).astype(params.mtp.fc.dtype)  # [2D, D]: embedding only
-    mtp = params.mtp.replace(fc=fc, layer=_quiet(params.mtp.layer, SCALE))
-    return cfg, params.replace(layers=tuple(_quiet(layer, SCALE) for layer in params.layers), mtp=mtp)
+    return speculative_test_model(VOCAB, SCALE)
 
 
 @pytest.fixture(scope="module")
