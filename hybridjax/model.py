@@ -88,10 +88,7 @@ def forward_hidden(
 
 def lm_head(params: Params) -> Array:
     """The LM head [D, vocab] (the embedding table, transposed, when tied)."""
-    if params.lm_head is None:
-        return params.embed.T
-    head = params.lm_head
-    return head.w if isinstance(head, cpu_kernels.PackedWeight) else head
+    return params.embed.T if params.lm_head is None else cpu_kernels.plain_weight(params.lm_head)
 
 
 def lm_logits(params: Params, x: Array) -> Array:

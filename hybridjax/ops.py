@@ -47,9 +47,9 @@ def dense(x: Array, w: Array, dtype=None, transposed: bool = False) -> Array:
                                            default=lambda r, w, _: xla(r, w))
         else:
             kernel = functools.partial(cpu_kernels.matmul, transposed=transposed)
-            y = jax.lax.platform_dependent(rows, w.w if packed else w, cpu=kernel, default=xla)
+            y = jax.lax.platform_dependent(rows, cpu_kernels.plain_weight(w), cpu=kernel, default=xla)
     else:
-        y = xla(rows, w.w if packed else w)
+        y = xla(rows, cpu_kernels.plain_weight(w))
     return y.astype(dtype or x.dtype).reshape(*lead, y.shape[-1])
 
 

@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import functools
 
-from hybridjax.default_model import tiny_test_model
+import jax
+import jax.numpy as jnp
+
+from hybridjax.config import config_from_dict
+from hybridjax.default_model import TINY_CONFIG, tiny_test_model
 from hybridjax.engine import Engine, GenerationRequest
 from hybridjax.generate import generate
+from hybridjax.params import init_params
 from hybridjax.sampling import sampling_params
 
 SLOTS, MAX_LEN, COLD_NEW = 4, 256, 16
@@ -84,13 +89,6 @@ def speculative_test_model(vocab: int, scale: float, head_scale: float = 1.0):
     writes scaled by `scale` (so the next token depends mostly on the current one), and an MTP
     head that reads only the token embedding; `head_scale` scales the head's logits (through its
     (1 + w) final norm). No stop id lies in the vocabulary."""
-    import jax
-    import jax.numpy as jnp
-
-    from hybridjax.config import config_from_dict
-    from hybridjax.default_model import TINY_CONFIG
-    from hybridjax.params import init_params
-
     cfg = config_from_dict(dict(TINY_CONFIG, vocab_size=vocab, eos_token_id=127))
     params = init_params(jax.random.PRNGKey(0), cfg, mtp=True)
     d = cfg.hidden_size

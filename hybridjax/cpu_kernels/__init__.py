@@ -378,6 +378,11 @@ class PackedWeight:
         return f"PackedWeight(shape={self.shape}, dtype={self.dtype})"
 
 
+def plain_weight(w):
+    """w's plain [K, N] array, whether it is one or a `PackedWeight`."""
+    return w.w if isinstance(w, PackedWeight) else w
+
+
 # The projections `hybridjax.ops.dense` reads, by parameter name (not the tied embedding: it is
 # also a lookup table, and its head reads rows in place already; not experts: 3-d).
 DENSE_WEIGHTS = frozenset({
@@ -407,8 +412,7 @@ def pack_params(params, force: bool = False):
 
 def unpack_params(params):
     """The inverse of `pack_params`: every `PackedWeight` back to its plain weight."""
-    return jax.tree_util.tree_map(lambda x: x.w if isinstance(x, PackedWeight) else x, params,
-                                  is_leaf=lambda x: isinstance(x, PackedWeight))
+    return jax.tree_util.tree_map(plain_weight, params, is_leaf=lambda x: isinstance(x, PackedWeight))
 
 
 def quantize_int8(w):
