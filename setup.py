@@ -6,7 +6,7 @@ The extension is optional: if it fails to build, the install still succeeds and 
 on XLA's dots (hybridjax.cpu_kernels logs why once); its tests then fail, so CI notices.
 """
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 
@@ -31,4 +31,14 @@ matmul = Extension(
     optional=True,
 )
 
-setup(ext_modules=[matmul], cmdclass={"build_ext": BuildWithJaxHeaders})
+# The kernels and the converter sit at the repository root, where the project's layout draws them,
+# and install under the package's namespace (hybridjax.pallas_kernels, hybridjax.conversion), so no
+# generic top-level import name is installed. Editable installs map them the same way.
+ROOT_SUBPACKAGES = ("pallas_kernels", "conversion")
+packages = find_packages(include=["hybridjax", "hybridjax.*"]) + [
+    "hybridjax." + name for name in find_packages(include=[f"{p}{s}" for p in ROOT_SUBPACKAGES for s in ("", ".*")])
+]
+package_dir = {"hybridjax." + name: name for name in ROOT_SUBPACKAGES}
+
+setup(packages=packages, package_dir=package_dir, ext_modules=[matmul],
+      cmdclass={"build_ext": BuildWithJaxHeaders})

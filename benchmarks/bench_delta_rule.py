@@ -37,7 +37,7 @@ passes) and T = 1 (decode kernel), each Triton kernel is
 compiled offline for every --archs target with that generation's block sizes, and a table gives
 per kernel: wgmma / mma (tensor-core) and scalar FMA instruction counts in the PTX, registers,
 stack bytes, SASS local loads/stores (spills), shared memory against the target's limit
-(hybridjax/pallas_kernels/triton_offline.py). With --fla-src pointing at a checkout of
+(pallas_kernels/triton_offline.py). With --fla-src pointing at a checkout of
 flash-linear-attention, the same table is printed for fla's forward kernels
 (benchmarks/fla_compile.py; fla is read from that directory, never vendored).
 """

@@ -21,6 +21,16 @@ Over several devices (docs/sharding.md): `mesh = hybridjax.make_mesh("tensor=2,e
 See docs/architecture.md for how the pieces fit.
 """
 
+from pathlib import Path as _Path
+
+# The kernels and the converter sit at the repository root (pallas_kernels/, conversion/) and are
+# installed as hybridjax.pallas_kernels / hybridjax.conversion (setup.py's package_dir). A source
+# checkout used without installing it (the project on PYTHONPATH, as on the GPU image) finds them
+# beside this folder instead.
+_checkout = _Path(__file__).resolve().parent.parent
+if not (_Path(__file__).parent / "pallas_kernels").exists() and (_checkout / "pallas_kernels" / "__init__.py").exists():
+    __path__.append(str(_checkout))
+
 from hybridjax.cache import Cache, GDNState, KVState, init_cache, reserve
 from hybridjax.config import Config, ConfigError, config_from_dict, load_config
 from hybridjax.model import forward

@@ -2,7 +2,7 @@
 
 Weights are stored `[in, out]` so every projection is `x @ w`. Layout choices that
 differ from checkpoints (fused Qwen3-Next projections, conv axis, expert stacking)
-are undone in `hybridjax/conversion/`, never here.
+are undone in `conversion/`, never here.
 
 `Params.layers` is a tuple aligned 1:1 with HF layer indices; each entry is a
 `DecoderLayer` whose `mixer` is `GDNParams` (linear attention) or `AttentionParams`

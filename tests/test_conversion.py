@@ -1,7 +1,7 @@
 """`hybridjax convert`: HF -> checkpoint -> HF round trips, loading both kinds, every error.
 
 Round trips must be bit-identical and give back every tensor of the source: the transforms of
-hybridjax/conversion/names.py are exact inverses (transposes, reshapes, splits, stacks), nothing is cast
+conversion/names.py are exact inverses (transposes, reshapes, splits, stacks), nothing is cast
 when the dtype is kept, and what the text model does not use (the multimodal Qwen3.5's vision
 tower, `model.visual.*`) is carried verbatim in `params.extra`.
 """

@@ -1,7 +1,7 @@
 """The Pallas Triton kernels compiled offline for sm_90 and sm_89, without a GPU.
 
 The public entry point is lowered for CUDA from this CPU host; each `__gpu$xla.gpu.triton` call's
-Triton IR is compiled with the `triton` package for the target (hybridjax/pallas_kernels/triton_offline.py,
+Triton IR is compiled with the `triton` package for the target (pallas_kernels/triton_offline.py,
 block sizes from that generation's row of `common.TUNING`), and the result must:
 
   - use tensor cores in every kernel that carries matmuls (wgmma on sm_90, mma on sm_89) under

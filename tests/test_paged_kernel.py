@@ -1,4 +1,4 @@
-"""The Pallas paged-attention kernel (hybridjax/pallas_kernels/paged_attention/pallas.py), on a CPU-only
+"""The Pallas paged-attention kernel (pallas_kernels/paged_attention/pallas.py), on a CPU-only
 machine three ways.
 
 1. Numerically, in Pallas interpret mode, against the gather-everything reference and the XLA
@@ -11,7 +11,7 @@ machine three ways.
    interpreter is not; None picks it for decode only; the engine's decode step carries it.
 3. Unchanged on CPU: implementation=None compiles to exactly the XLA path's program.
 
-Where `triton` and `hybridjax/pallas_kernels/triton_offline.py` are installed, the kernel is also compiled
+Where `triton` and `pallas_kernels/triton_offline.py` are installed, the kernel is also compiled
 for sm_90 and sm_89 and checked for tensor cores, spills and shared memory.
 
 Interpret mode is slow and compile time dominates on 2 cores: four small cases, each one
@@ -280,7 +280,7 @@ def test_pallas_with_shapes_it_cannot_take_fails_fast(dh, s, what):
         paged_attention(*_small(dh, s), implementation="pallas")
 
 
-# ---- compiled offline for GPUs (needs `triton` and hybridjax/pallas_kernels/triton_offline.py) -----------
+# ---- compiled offline for GPUs (needs `triton` and pallas_kernels/triton_offline.py) -----------
 
 
 @pytest.mark.parametrize("arch", [90, 89])

@@ -11,7 +11,7 @@ come back through the cast in float32. Gradient accumulation splits the batch in
 `grad_accum` micro-batches (a scan), sums their gradients and applies one update; the loss is
 normalised by the target count of the whole batch, so accumulation changes nothing but memory.
 Gradients through the Gated DeltaNet layers come from the delta rule's custom VJP
-(hybridjax/pallas_kernels/gated_delta_rule/backward.py).
+(pallas_kernels/gated_delta_rule/backward.py).
 """
 
 from __future__ import annotations
