@@ -115,6 +115,16 @@ class Tokenizer:
         except jinja2.exceptions.TemplateError as e:
             raise TokenizerError(f"chat template rejected the messages: {e}") from None
 
+    @functools.cached_property
+    def renders_tools(self) -> bool:
+        """Whether the chat template shows `tools` to the model: some templates drop them, and a
+        request with tools would then be answered as if it had none."""
+        probe = [{"type": "function", "function": {"name": "hybridjax_probe_tool", "parameters": {"type": "object"}}}]
+        try:
+            return "hybridjax_probe_tool" in self.render_chat([{"role": "user", "content": "?"}], tools=probe)
+        except TokenizerError:
+            return False
+
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
         return self.encode(self.render_chat(messages, add_generation_prompt, **kwargs))
 
@@ -159,18 +169,41 @@ class StreamDecoder:
 
 # --- a small byte-level tokenizer: the embedded default model and the tests use it -------
 
-CHATML_TEMPLATE = (
-    "{%- if messages[0]['role'] == 'system' %}"
-    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
-    "{%- set loop_messages = messages[1:] %}"
-    "{%- else %}{%- set loop_messages = messages %}{%- endif %}\n"
-    "{%- for message in loop_messages %}\n"
-    "{%- if message['role'] not in ['user', 'assistant', 'tool'] %}"
-    "{{- raise_exception('Unknown role: ' + message['role']) }}{%- endif %}\n"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] | trim + '<|im_end|>\\n' }}\n"
-    "{%- endfor %}\n"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}\n"
-)
+def chatml_template(trim_content: bool = True) -> str:
+    """ChatML, with tools as Qwen3 renders them: the signatures in a system block between
+    <tools></tools>, an assistant's calls as `<tool_call>` JSON blocks, and `tool` turns verbatim.
+    Without tools a conversation renders exactly as plain ChatML. `trim_content`: strip each
+    message's content (the byte-level template), or keep it verbatim (the char-level one)."""
+    content = "(message['content'] or '')" + (" | trim" if trim_content else "")
+    return (
+        "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}"
+        "{%- set loop_messages = messages[1:] %}"
+        "{%- else %}{%- set system = none %}{%- set loop_messages = messages %}{%- endif %}\n"
+        "{%- if tools %}"
+        "{{- '<|im_start|>system\\n' + (system + '\\n\\n' if system else '') }}"
+        "{{- '# Tools\\n\\nYou can call these functions, given by their JSON signatures:\\n<tools>' }}"
+        "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+        "{{- '\\n</tools>\\n\\nTo call one, answer with its name and arguments as JSON in a block:\\n"
+        "<tool_call>\\n{\"name\": <function-name>, \"arguments\": <arguments-object>}\\n</tool_call><|im_end|>\\n' }}"
+        "{%- elif system is not none %}{{- '<|im_start|>system\\n' + system + '<|im_end|>\\n' }}{%- endif %}\n"
+        "{%- for message in loop_messages %}\n"
+        "{%- if message['role'] not in ['user', 'assistant', 'tool'] %}"
+        "{{- raise_exception('Unknown role: ' + message['role']) }}{%- endif %}\n"
+        "{%- set text = " + content + " %}"
+        "{{- '<|im_start|>' + message['role'] + '\\n' + text }}"
+        "{%- for call in (message['tool_calls'] if message['tool_calls'] is defined and message['tool_calls'] else []) %}"
+        "{%- set f = call['function'] if call['function'] is defined else call %}"
+        "{%- set args = f['arguments'] if f['arguments'] is string else (f['arguments'] | tojson) %}"
+        "{{- ('\\n' if text or not loop.first else '') + '<tool_call>\\n{\"name\": ' + (f['name'] | tojson)"
+        " + ', \"arguments\": ' + args + '}\\n</tool_call>' }}"
+        "{%- endfor %}"
+        "{{- '<|im_end|>\\n' }}\n"
+        "{%- endfor %}\n"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}\n"
+    )
+
+
+CHATML_TEMPLATE = chatml_template()
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 
@@ -218,7 +251,7 @@ def save_tokenizer(tokenizer: Tokenizer, model_dir: str | Path) -> None:
 # re-encoding any generated ids gives the same ids (a chat's history re-sent by a client
 # hits the snapshot of the response exactly). Its template keeps content verbatim (no trim).
 CHAR_ALPHABET = "".join(chr(c) for c in range(0x20, 0x7F)) + "\n" + "".join(chr(c) for c in range(0xC0, 0xDD))
-DEFAULT_TEMPLATE = CHATML_TEMPLATE.replace(" | trim", "")
+DEFAULT_TEMPLATE = chatml_template(trim_content=False)
 
 
 def char_level_tokenizer() -> Tokenizer:

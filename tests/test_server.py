@@ -29,10 +29,10 @@ def free_port() -> int:
 
 
 class RunningServer:
-    def __init__(self, tokenizer=None, **kw):
-        """A server on the tiny test model (`tokenizer`: another chat template, say), configured by
-        ServerConfig's fields."""
-        (cfg, params, tok), name = tiny_test_model(), TINY_NAME
+    def __init__(self, tokenizer=None, model=None, **kw):
+        """A server on the tiny test model (`model`: another (name, (cfg, params, tokenizer));
+        `tokenizer`: another chat template, say), configured by ServerConfig's fields."""
+        name, (cfg, params, tok) = model or (TINY_NAME, tiny_test_model())
         sc = ServerConfig(**kw)
         self.engine, self.store = build_engine(sc, cfg, params, tokenizer or tok, name)
         app = create_app(self.engine, name, api_key=sc.api_key, api_keys=sc.api_keys, cache_dir=sc.cache_dir,

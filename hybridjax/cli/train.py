@@ -38,19 +38,20 @@ def add_train(sub) -> None:
                                        "directory, else a byte-level tokenizer)")
     p.add_argument("--data", required=True, help='JSON lines of {"text": ...} or {"messages": [...]}')
     p.add_argument("--out", required=True, help="run directory (metrics.jsonl, state/, model/)")
-    p.add_argument("--steps", type=int_at_least(1), default=100)
-    p.add_argument("--batch-size", type=int_at_least(1), default=8)
-    p.add_argument("--seq-len", type=int_at_least(1), default=256)
+    p.add_argument("--steps", type=int_at_least(1), default=100, help="optimizer steps (the cosine schedule's length)")
+    p.add_argument("--batch-size", type=int_at_least(1), default=8, help="sequences per step")
+    p.add_argument("--seq-len", type=int_at_least(1), default=256, help="tokens per sequence")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 3e-4; 1e-3 with LoRA)")
     p.add_argument("--warmup", type=int_at_least(0), default=None, help="warm-up steps (default: steps / 10, at most 100)")
     p.add_argument("--lora-rank", type=int_at_least(0), default=0, help="train rank-R adapters instead of all weights")
     p.add_argument("--grad-accum", type=int_at_least(1), default=1, help="micro-batches per step (divides --batch-size)")
     p.add_argument("--mtp-weight", type=float, default=None,
                    help="weight of the MTP head's loss (default 0.3 when the model has one and training is full)")
-    p.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="dtype of the weights' copy the loss runs in (master weights stay float32)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=int_at_least(1), default=100, help="checkpoint every N steps (and at the end)")
-    p.add_argument("--log-every", type=int_at_least(1), default=1)
+    p.add_argument("--log-every", type=int_at_least(1), default=1, help="write metrics every N steps")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its last checkpoint (same settings; a larger --steps "
                         "extends it, stretching the cosine schedule from there)")

@@ -363,6 +363,9 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
                            param="chat_template_kwargs")
         tools = req.tools if req.tools and req.tool_choice != "none" else None
         if tools:
+            if not tok.renders_tools:
+                raise APIError(400, "invalid parameter 'tools': this model's chat template does not render tools, "
+                                    "so the model would never see them", param="tools")
             kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
         # tool_choice "required" / a named function: the prompt ends with the call's opening, which
         # then counts as the response's start (parsed with it; the cache holds it as prompt tokens).
