@@ -16,7 +16,7 @@ import pytest
 
 import hybridjax
 from hybridjax import cli
-from hybridjax.default_model import WEIGHTS_DIR, tiny_test_model
+from hybridjax.default_model import TINY_NAME, WEIGHTS_DIR, tiny_test_model
 from hybridjax.generate import generate, stream
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,3 +139,50 @@ def test_api_key_file(tmp_path):
         cli.read_api_keys(str(f))
     with pytest.raises(cli.CLIError, match="cannot read"):
         cli.read_api_keys(str(tmp_path / "missing"))
+
+
+# A ChatML template without tools, as many models ship: it drops `tools` and would answer as if none.
+PLAIN_CHATML = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_the_embedded_template_renders_tools_and_tool_calls():
+    """It dropped `tools` and rendered an assistant's tool call as the literal 'None' (issue 29.6)."""
+    from hybridjax.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(WEIGHTS_DIR)
+    assert tok.renders_tools
+    msgs = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    text = tok.render_chat(msgs, tools=[WEATHER])
+    assert '"name": "get_weather"' in text.split("<|im_end|>")[0]  # the signature, in the system block
+    assert '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert "None" not in text
+    plain = [{"role": "user", "content": "Hi"}]
+    assert tok.render_chat(plain, tools=None) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_tools_on_a_template_that_drops_them_are_a_400():
+    import httpx
+    from test_server import RunningServer
+
+    from hybridjax.tokenizer import Tokenizer
+
+    _, _, tok = tiny_test_model()
+    plain = Tokenizer(tok.backend, PLAIN_CHATML, tok.special_tokens, tok.eos_token_ids)
+    assert not plain.renders_tools
+    s = RunningServer(tokenizer=plain, slots=1, max_len=128, warmup=False)
+    try:
+        body = {"model": TINY_NAME, "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER]}
+        r = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "tools" and "does not render tools" in err["message"]
+    finally:
+        s.stop()
