@@ -186,3 +186,18 @@ def test_tools_on_a_template_that_drops_them_are_a_400():
         assert err["param"] == "tools" and "does not render tools" in err["message"]
     finally:
         s.stop()
+
+
+def test_loading_a_converted_checkpoint_logs_no_third_party_info(tmp_path, caplog):
+    """Serving a converted checkpoint printed 49 'INFO absl:' lines (orbax's restore steps)."""
+    import logging
+
+    from hybridjax.conversion.checkpoint import convert_hf
+
+    convert_hf(WEIGHTS_DIR, tmp_path / "ckpt")  # the embedded model, as `hybridjax convert` writes it
+    cli.setup_logging()
+    with caplog.at_level(logging.INFO):
+        hybridjax.load(tmp_path / "ckpt", progress=False)
+    noise = [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.levelno < logging.WARNING
+             and not r.name.startswith("hybridjax")]
+    assert noise == []

@@ -431,7 +431,10 @@ def setup_logging(verbose: bool = True) -> None:
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("jax").setLevel(logging.WARNING)  # backend probing ("no TPU") is not news
+    # Third-party INFO is not news to a user: jax's backend probing ("no TPU"), orbax's restore
+    # steps through absl (dozens of lines per checkpoint load).
+    for name in ("jax", "absl", "orbax"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def main(argv=None) -> int:

@@ -284,8 +284,11 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
         gen = sum(len(h.token_ids) for h in handles)
         now = time.perf_counter()
         ttft = (first - t0) if first else float("nan")
-        rate = gen / (now - first) if first and now > first else 0.0
-        log.info("%s: prompt %d tokens (cached %d), generated %d, ttft %.3f s, %.1f tok/s, %s", kind,
+        # The decode rate counts the tokens after each choice's first, over the time since the first:
+        # a reply of one token per choice has none (it was logged as thousands of tok/s).
+        decoded = gen - len(handles)
+        rate = f", {decoded / (now - first):.1f} tok/s" if first and decoded > 0 and now > first else ""
+        log.info("%s: prompt %d tokens (cached %d), generated %d, ttft %.3f s%s, %s", kind,
                  handles[0].prompt_tokens, handles[0].cached_tokens, gen, ttft, rate,
                  ",".join(str(h.finish_reason) for h in handles))
 
