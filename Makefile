@@ -5,8 +5,12 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 RUNTIME := $(VENV)/.installed-runtime
 TESTENV := $(VENV)/.installed-test
+NOTEBOOKENV := $(VENV)/.installed-notebooks
+# day-to-day: model parity, kernels, pages, the snapshot store, the engine, the server (a few minutes)
+QUICK_TESTS := tests/test_model.py tests/test_delta_rule.py tests/test_pages.py tests/test_prefix_cache.py \
+               tests/test_engine.py tests/test_server.py
 
-.PHONY: run test install install-test clean
+.PHONY: run test test-quick notebooks install install-test clean
 
 $(RUNTIME): pyproject.toml setup.py hybridjax/cpu_kernels/matmul.cc
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +27,10 @@ $(TESTENV): $(RUNTIME)
 	$(BIN)/pip install --quiet --no-build-isolation -e '.[test]'
 	touch $(TESTENV)
 
+$(NOTEBOOKENV): $(RUNTIME)
+	$(BIN)/pip install --quiet --no-build-isolation -e '.[notebooks]'
+	touch $(NOTEBOOKENV)
+
 install: $(RUNTIME)
 
 install-test: $(TESTENV)
@@ -34,6 +42,14 @@ run: $(RUNTIME)
 
 test: $(TESTENV)
 	$(BIN)/python -m pytest -q tests
+
+test-quick: $(TESTENV)
+	$(BIN)/python -m pytest -q -x $(QUICK_TESTS)
+
+# Runs every notebook top to bottom and stores its outputs in place (no Jupyter needed). To open
+# them interactively: .venv/bin/pip install jupyterlab && .venv/bin/jupyter lab notebooks/
+notebooks: $(NOTEBOOKENV)
+	$(BIN)/python notebooks/execute.py notebooks/*.ipynb
 
 clean:
 	rm -rf $(VENV) .pytest_cache
