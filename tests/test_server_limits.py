@@ -199,6 +199,18 @@ def test_a_client_gone_mid_body_is_one_log_line(server, caplog):
     assert not [r for r in ours if r.exc_info or r.levelno >= logging.ERROR], [r.getMessage() for r in ours]
 
 
+def test_a_client_that_half_closes_after_sending_gets_its_answer(server):
+    body = json.dumps({"model": MODEL, "prompt": "half closed", "max_tokens": 3, "temperature": 0}).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        s.shutdown(socket.SHUT_WR)  # done sending, still listening
+        reply = _closed_within(s, 120)
+    final = reply[reply.index(b"HTTP/1.1 200 "):]  # after an interim 100 Continue, if any
+    answer = json.loads(final.split(b"\r\n\r\n", 1)[1])
+    assert answer["usage"]["completion_tokens"] == 3
+
+
 # --- slow, silent and too many connections -------------------------------------------------------
 
 

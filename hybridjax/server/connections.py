@@ -8,9 +8,12 @@ subclassed), before any request reaches the app.
   and closed, so the server stays reachable and says why. The process's soft file limit is
   raised to its hard limit, and the bound kept below it.
 - A request body must arrive within the app's `body_timeout_s` (hybridjax.server.app, 408).
-- A client that half-closes its side after sending (shutdown(SHUT_WR)) is taken as gone, as by
-  uvicorn: at the TCP level it looks like a client that left, and cancelling abandoned requests
-  (freeing their slots) matters more than answering that rare client.
+- A client that half-closes its side after sending (shutdown(SHUT_WR)) still gets its answer.
+  uvicorn closes on EOF, but a client that left entirely sends the same FIN. To tell them apart
+  the server writes an interim `100 Continue` (every HTTP/1.1 client must accept 1xx responses
+  before the final one): a socket closed for good answers it with a reset, and the connection
+  is then dropped (and its request cancelled) as before; a half-closed one stays open for the
+  answer. (Linux: the TCP state is read with TCP_INFO; elsewhere EOF closes, as in uvicorn.)
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from __future__ import annotations
 import json
 import logging
 import resource
+import socket
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger("hybridjax.server")
@@ -26,6 +31,8 @@ log = logging.getLogger("hybridjax.server")
 # Descriptors kept free for everything but client connections (model files, logs, pipes).
 RESERVED_FILES = 64
 REFUSED_GRACE_S = 1.0  # a refused connection is closed this long after its 503 (the client reads it first)
+PROBE_DELAYS_S = (0.05, 0.3, 1.0, 3.0)  # after EOF: when to look for the reset a closed socket answers with
+TCP_CLOSE = 7  # tcpi_state after a reset (linux/tcp_states.h)
 
 
 def _busy_response(limit: int) -> bytes:
@@ -64,6 +71,33 @@ class GuardedH11Protocol(H11Protocol):
         if self._header_timer is not None and self.cycle is not self._waiting_in:
             self._header_timer.cancel()  # a request arrived
             self._header_timer = None
+
+    def eof_received(self) -> bool | None:
+        """The client sent FIN. With a request whose body has all arrived and whose answer has
+        not started, probe (a 100 Continue) whether it only half-closed; keep the connection
+        open for the answer meanwhile. An answer already streaming finds out by writing."""
+        cycle = self.cycle
+        if (self._refused or cycle is None or cycle.response_complete or cycle.more_body
+                or not hasattr(socket, "TCP_INFO")):
+            return None  # nothing under way: close, as uvicorn does
+        cycle.keep_alive = False  # close once answered: the client sends nothing more
+        if self.conn.our_state is h11.SEND_RESPONSE:
+            self.transport.write(self.conn.send(h11.InformationalResponse(status_code=100, headers=[],
+                                                                          reason=b"Continue")))
+            for delay in PROBE_DELAYS_S:
+                self.loop.call_later(delay, self._drop_if_reset)
+        return True
+
+    def _drop_if_reset(self) -> None:
+        if self.transport.is_closing():
+            return
+        sock = self.transport.get_extra_info("socket")
+        try:
+            state = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0]
+        except OSError:
+            state = TCP_CLOSE
+        if state == TCP_CLOSE:  # the peer reset: it had left, not half-closed
+            self.transport.abort()  # connection_lost: the app sees a disconnect and cancels
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
