@@ -423,7 +423,10 @@ class DirectoryLock:
             self._fd = None
 
     def __del__(self):
-        self.release()
+        try:
+            self.release()
+        except Exception:  # at interpreter exit `os` may be gone; the kernel drops the lock anyway
+            pass
 
 
 def _write_file(path: Path, payload: dict) -> None:
