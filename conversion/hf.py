@@ -20,7 +20,8 @@ import ml_dtypes  # noqa: F401  registers bfloat16 / float8 with numpy
 import numpy as np
 from safetensors import safe_open
 
-from hybridjax.conversion.names import KEPT_PREFIXES, MTP_PREFIX, Rule, rules_for
+from hybridjax.conversion.names import MTP_PREFIX, Rule
+from hybridjax.conversion.optional import Parts, split_parts
 from hybridjax.conversion.progress import Progress
 from hybridjax.config import Config, load_config, read_json
 from hybridjax.params import FLOAT32_LEAVES, Params, is_shape, param_shapes
@@ -135,19 +136,12 @@ def leaf_shapes(cfg: Config, mtp: bool = False) -> dict[str, tuple[int, ...]]:
     return {path_str(p): s for p, s in flat}
 
 
-def _check(rules: list[Rule], names: set[str], reader: TensorReader, cfg: Config) -> None:
-    expected = {n for r in rules for n in r.hf}
-    missing = sorted(expected - names)
-    unexpected = sorted(
-        n for n in names - expected if not n.startswith(KEPT_PREFIXES)
-    )
-    if cfg.tie_word_embeddings and "lm_head.weight" in unexpected:
-        unexpected.remove("lm_head.weight")  # some tied checkpoints still store the copy
+def _check(parts: Parts) -> None:
+    """Raise CheckpointError naming every missing or unexpected text-model tensor."""
     problems = []
-    if missing:
-        problems.append(f"missing tensors ({len(missing)}): {', '.join(missing[:20])}" + (" ..." if len(missing) > 20 else ""))
-    if unexpected:
-        problems.append(f"unexpected tensors ({len(unexpected)}): {', '.join(unexpected[:20])}" + (" ..." if len(unexpected) > 20 else ""))
+    for what, names in (("missing", parts.missing), ("unexpected", parts.unexpected)):
+        if names:
+            problems.append(f"{what} tensors ({len(names)}): {', '.join(names[:20])}" + (" ..." if len(names) > 20 else ""))
     if problems:
         raise CheckpointError("checkpoint does not match config.json: " + "; ".join(problems))
 
@@ -184,21 +178,19 @@ def to_device(path: str, arr: np.ndarray, dtype) -> jax.Array:
 
 @dataclasses.dataclass
 class HFSource:
-    """An HF directory checked against its config.json: the rules that read it and an open
-    reader (close it, or use the source as a context manager)."""
+    """An HF directory checked against its config.json: the rules that read it, the tensors kept
+    verbatim (`conversion.optional`), and an open reader (close it, or use the source as a
+    context manager)."""
 
     cfg: Config
     rules: list[Rule]
     reader: TensorReader
     names: set[str]
-
-    @property
-    def kept(self) -> list[str]:
-        """Tensors no rule reads, carried verbatim into `params.extra` so that writing back to HF
-        gives every tensor of the source: the vision tower (model.visual.*), a tied checkpoint's
-        lm_head.weight copy."""
-        read = {n for r in self.rules for n in r.hf}
-        return sorted(self.names - read)
+    # Tensors no rule reads, carried verbatim into `params.extra` so that writing back to HF gives
+    # every tensor of the source: the vision tower, an MTP head that cannot load, fp8 scales,
+    # unknown tensors, a tied checkpoint's lm_head.weight copy.
+    kept: list[str] = dataclasses.field(default_factory=list)
+    warning: str = ""  # one line about optional parts not loaded
 
     @property
     def dropped(self) -> list[str]:
@@ -227,20 +219,25 @@ class HFSource:
 
 
 def open_hf(model_dir: str | Path) -> HFSource:
-    """Read config.json and the shard index of an HF directory and check the tensor names."""
+    """Read config.json and the shard index of an HF directory and check the tensor names: the
+    text model's must be complete; optional parts that cannot load are kept and warned about once."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"model directory not found: {model_dir}")
     cfg = load_config(model_dir)
     shards, reader = read_hf_tensors(model_dir)
     names = set(shards)
-    rules = rules_for(cfg, text_root(names), has_fused_experts(names), mtp=has_mtp(names))
+    raw = read_json(model_dir / "config.json", CheckpointError)
+    parts = split_parts(cfg, names, text_root(names), has_fused_experts(names), reader.shape,
+                        lambda mtp: leaf_shapes(cfg, mtp), raw)
     try:
-        _check(rules, names, reader, cfg)
+        _check(parts)
     except CheckpointError:
         reader.close()
         raise
-    return HFSource(cfg, rules, reader, names)
+    if parts.warning:
+        log.warning("%s: %s", model_dir.name, parts.warning)
+    return HFSource(cfg, parts.rules, reader, names, parts.kept, parts.warning)
 
 
 def load_hf(model_dir: str | Path, dtype="float32", progress: Progress | None = None,
