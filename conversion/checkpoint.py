@@ -354,8 +354,10 @@ def convert_hf(
     (peak memory: one copy of the model in that dtype), then saved by orbax.
     `progress(steps, total_bytes)` returns a callback taking the bytes of each param leaf read.
     """
+    from hybridjax.conversion.hub import resolve_model
+
     start = time.perf_counter()
-    hf_dir = Path(hf_dir)
+    hf_dir = resolve_model(hf_dir)
     check_out(Path(out), force, (hf_dir,))  # fail before reading anything
     with open_hf(hf_dir) as src:
         stored, total = src.stored_dtype(), src.nbytes()
@@ -377,16 +379,17 @@ def convert_hf(
 
 
 def load(path: str | Path, dtype=None, mesh=None, progress: bool | Progress | None = None) -> tuple[Config, Params]:
-    """(Config, Params) from an HF model directory or a converted checkpoint.
+    """(Config, Params) from an HF model directory, a converted checkpoint, or a Hugging Face
+    Hub id ORG/NAME[@REVISION] (downloaded into the hub cache: `conversion.hub`).
 
     dtype None keeps the stored dtype (an HF directory's: that of its embedding table).
     mesh: place the params on a device mesh as they are read (`hybridjax.sharding`).
     progress: a tqdm bar on stderr (tensors and bytes) if True, or None and stderr is a terminal;
     none if False; or a factory `progress(steps, total_bytes) -> callback(nbytes)`.
     """
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"model directory not found: {path}")
+    from hybridjax.conversion.hub import resolve_model
+
+    path = resolve_model(path)
     factory = load_progress(progress)
     try:
         if is_checkpoint(path):

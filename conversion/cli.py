@@ -26,7 +26,8 @@ VERIFY_TOKENS = 8
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--hf-dir", type=Path, help="Hugging Face model directory to convert (config.json + safetensors)")
+    parser.add_argument("--hf-dir", help="Hugging Face model directory to convert (config.json + safetensors), "
+                                         "or a hub id ORG/NAME[@REVISION]")
     parser.add_argument("--to-hf", action="store_true", help="convert a hybridjax checkpoint back to HF safetensors")
     parser.add_argument("--checkpoint", type=Path, help="converted hybridjax checkpoint (with --to-hf)")
     parser.add_argument("--out", type=Path, required=True, help="output directory (written atomically)")

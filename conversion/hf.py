@@ -242,17 +242,20 @@ def open_hf(model_dir: str | Path) -> HFSource:
 
 def load_hf(model_dir: str | Path, dtype="float32", progress: Progress | None = None,
             mesh=None) -> tuple[Config, Params]:
-    """Read an HF model directory into (Config, Params), casting weights to `dtype`
-    (None: the checkpoint's own dtype).
+    """Read an HF model directory (or hub id ORG/NAME[@REVISION], `conversion.hub`) into
+    (Config, Params), casting weights to `dtype` (None: the checkpoint's own dtype).
 
-    The gate parameters (A_log, dt_bias) stay float32. `mtp.*` tensors, when present, load into
-    `params.mtp`; vision-tower tensors of multimodal checkpoints are skipped.
+    The gate parameters (A_log, dt_bias) stay float32. A complete MTP head (`mtp.*`) loads into
+    `params.mtp`; tensors the text model does not use (vision tower, a partial head) are kept
+    verbatim in `params.extra` (`conversion.optional`).
     `progress(steps, total_bytes)` (`hybridjax.conversion.progress`), if given, returns a callback
     taking the bytes of each param leaf read.
     `mesh`: place each param on the mesh by `hybridjax.sharding.RULES` as it is read, each device
     receiving only its shard (see `read_params_sharded`).
     """
-    with open_hf(model_dir) as src:
+    from hybridjax.conversion.hub import resolve_model
+
+    with open_hf(resolve_model(model_dir)) as src:
         step = progress(src.n_leaves, src.nbytes()) if progress else None
         if mesh is not None:
             return src.cfg, read_params_sharded(src, mesh, dtype, step)

@@ -74,6 +74,21 @@ def _pack(params, mesh, pack_for_decode):
     return cpu_kernels.pack_params(params)
 
 
+def resolve_model(ref):
+    """The local directory of a model reference: a directory (always wins), or a Hugging Face Hub
+    id ORG/NAME[@REVISION] fetched into the hub cache (`hybridjax.conversion.hub`)."""
+    from hybridjax.conversion.hub import resolve_model as _resolve
+
+    return _resolve(ref)
+
+
+def is_hub_id(ref) -> bool:
+    """Whether `ref` is read as a hub id (it has the form ORG/NAME[@REVISION] and is no directory)."""
+    from hybridjax.conversion.hub import parse_hub_id
+
+    return not _Path(ref).is_dir() and parse_hub_id(str(ref)) is not None
+
+
 def save_hf(params, cfg, out_dir, **kw):
     """Write params as an HF safetensors model directory (config.json, shards and index) that
     `load_hf` and transformers read; see `hybridjax.conversion.to_hf.write_hf` for the options."""
@@ -84,6 +99,6 @@ def save_hf(params, cfg, out_dir, **kw):
 
 __all__ = [
     "Cache", "Config", "ConfigError", "GDNState", "KVState", "MeshError", "Model", "Params", "config_from_dict",
-    "forward", "init_cache", "init_params", "load", "load_config", "load_hf", "load_model", "make_mesh", "reserve",
+    "forward", "init_cache", "init_params", "load", "load_config", "load_hf", "load_model", "make_mesh", "reserve", "resolve_model",
     "save_hf", "shard_cache", "shard_params",
 ]
