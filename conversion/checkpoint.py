@@ -366,6 +366,9 @@ def convert_hf(
         gate_names = [n for r in src.rules for p, n in zip(r.params, r.hf) if p.rsplit(".", 1)[-1] in FLOAT32_LEAVES]
         gate_src = src.reader.dtype(gate_names[0]) if gate_names else np.dtype("float32")
         target = jnp.dtype(stored if dtype is None else dtype)
+        if src.reader.scales and target == jnp.float16:
+            raise CheckpointError("fp8 weights convert to bfloat16 or float32 (--dtype): float16 cannot hold every "
+                                  "dequantised value, so the export back to fp8 would not be exact")
         params = read_params(src, target, progress(src.n_leaves, total) if progress else None)
     # Write the gates back as the source stored them when it stored them in the model dtype.
     gate_hf = target if gate_src == target else jnp.dtype("float32")
