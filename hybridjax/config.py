@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,12 @@ class Config:
     # block-wise fp8 checkpoints: quantization_config.weight_block_size (rows, cols); () when the
     # weights are not quantised. Loading dequantises (hybridjax.conversion.fp8); the export uses it.
     weight_block_size: tuple[int, ...] = ()
+
+    def kv_heads_laid_out(self, tensor: int = 1) -> int:
+        """KV heads as caches hold them over `tensor` shards: num_key_value_heads, or, when the
+        heads do not divide over the shards (tensor > Hkv), each head repeated so that every shard
+        holds the KV heads its query heads read (vLLM's replication): lcm(Hkv, tensor)."""
+        return math.lcm(self.num_key_value_heads, tensor)
 
     # --- derived sizes (axis vocabulary of docs/architecture.md) ---
     @property
