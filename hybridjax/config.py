@@ -268,5 +268,6 @@ def load_config(model_dir: str | Path) -> Config:
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise ConfigError(f"no config.json found at {path}")
+        raise ConfigError(f"no config.json found at {path}: a model directory holds the Hugging Face config.json and "
+                          "*.safetensors (or is a converted hybridjax checkpoint); check the path")
     return config_from_dict(read_json(path))
