@@ -106,9 +106,13 @@ def _summary(r: Report, say) -> None:
         vision = [n for n in r.kept if n.startswith("model.visual.")]
         if vision:
             say(f"kept {len(vision)} vision-tower tensors (model.visual.*) verbatim in params.extra: not used by the text model")
-        if len(r.kept) > len(vision):
-            say(f"kept {len(r.kept) - len(vision)} other tensor(s) verbatim in params.extra: "
-                f"{', '.join(n for n in r.kept if n not in vision)}")
+        scales = [n for n in r.kept if n.endswith("_scale_inv")]
+        if scales:
+            say(f"kept {len(scales)} fp8 scales (*_scale_inv) verbatim in params.extra: the export writes fp8 again")
+        other = [n for n in r.kept if n not in vision and n not in scales]
+        if other:
+            say(f"kept {len(other)} other tensor(s) verbatim in params.extra: {', '.join(other[:6])}"
+                + (" ..." if len(other) > 6 else ""))
     for note in r.notes:
         say(note)
 

@@ -2,7 +2,7 @@
 
 Text in, text out:
 
-    model = hybridjax.load_model("path/to/model_dir")   # None: the embedded default model
+    model = hybridjax.load_model("path/to/model_dir")   # or "Qwen/Qwen3.5-0.8B"; None: the embedded default
     model.generate("Hello")                              # or a list of chat messages
 
 The functional API (token ids, caches as values):
@@ -42,7 +42,8 @@ __version__ = "0.1.0"
 
 
 def load_hf(model_dir, dtype="float32", mesh=None, progress=None, pack_for_decode=False):
-    """(Config, Params) from a Hugging Face model directory; see `hybridjax.conversion.hf.load_hf`.
+    """(Config, Params) from a Hugging Face model directory or hub id ORG/NAME[@REVISION] (FP8
+    checkpoints dequantised; optional parts kept in params.extra); see `hybridjax.conversion.hf.load_hf`.
     `mesh` (from `make_mesh`): each device receives its shard as the tensors are read.
     `progress`: as for `load`. `pack_for_decode`: see `load`."""
     # The facade reaches down into conversion lazily; nothing below it imports conversion.
@@ -54,7 +55,8 @@ def load_hf(model_dir, dtype="float32", mesh=None, progress=None, pack_for_decod
 
 
 def load(path, dtype=None, mesh=None, progress=None, pack_for_decode=False):
-    """(Config, Params) from an HF model directory or a converted hybridjax checkpoint, placed on
+    """(Config, Params) from an HF model directory, a hub id ORG/NAME[@REVISION] or a converted
+    hybridjax checkpoint, placed on
     `mesh` shard by shard when given. `progress`: a bar on stderr (tensors, bytes) when True, or
     when None and stderr is a terminal; False: none (see `hybridjax.conversion.load`).
     `pack_for_decode`: bfloat16 projections are also kept as packed panels that the CPU decode
