@@ -94,7 +94,20 @@ def main(out: str) -> dict:
             case["engine"] = engine_tokens(cfg, sharded)
             case["engine_ref"] = engine_tokens(cfg, params)
         report["cases"][spec] = case
+    report["fp8_sharded_equal"] = fp8_sharded_equal(d, Path(out))
     return report
+
+
+def fp8_sharded_equal(d: Path, out: Path) -> bool:
+    """An FP8 copy (tests/test_fp8.py's quantiser, 16x24 blocks: partial ones) read slice by
+    slice onto tensor=8 gives exactly the params of a one-device read."""
+    from sharding_worker import same_params
+    from test_fp8 import make_fp8
+
+    fp8_dir, _ = make_fp8(d, out / "kv2-fp8", (16, 24))
+    _, one = hybridjax.load_hf(fp8_dir, dtype="float32")
+    _, many = hybridjax.load_hf(fp8_dir, dtype="float32", mesh=hybridjax.make_mesh("tensor=8"))
+    return same_params(one, many)
 
 
 if __name__ == "__main__":

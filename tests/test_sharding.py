@@ -238,3 +238,4 @@ def test_tensor_parallel_past_the_kv_heads(tmp_path):
         assert case["kv_bytes"] == {"max": per_device, "min": per_device, "devices": 8}, spec
         assert case["k_proj_shard"] == [[32, 2 * 16]] and case["q_proj_shard"] == [q_shard], spec
     assert r["cases"]["tensor=8"]["engine"] == r["cases"]["tensor=8"]["engine_ref"]
+    assert r["fp8_sharded_equal"]  # block-wise fp8 read slice by slice onto the mesh (issue 22, part 3)
