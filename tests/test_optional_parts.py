@@ -23,6 +23,7 @@ from safetensors.numpy import load_file, save_file
 
 import hf_models
 import hybridjax
+from hybridjax.engine import Engine
 from hybridjax.generate import generate
 from hybridjax.conversion import CheckpointError
 from hybridjax.conversion.cli import main as convert_main
@@ -133,6 +134,8 @@ def test_speculative_tokens_on_a_model_without_a_usable_head_is_one_line(with_he
     _, params = hybridjax.load_hf(d)
     with pytest.raises(ValueError, match="do not form one"):
         generate(params, hybridjax.load_config(d), [[5, 9]], max_new_tokens=2, speculative_tokens=2)
+    with pytest.raises(ValueError, match="do not form one"):  # what `serve --speculative-tokens` builds first
+        Engine(hybridjax.load_config(d), params, None, speculative_tokens=2)
 
 
 def test_text_model_problems_stay_errors(with_head, tmp_path):
