@@ -108,3 +108,16 @@ def test_cli_reads_hub_ids_through_hf_home(hf_home, tmp_path):
     assert run.stderr.strip() == (
         f"hybridjax generate: error: nobody/nothing: not in the Hugging Face cache ({hf_home / 'hub'}) and downloads are "
         "off (HF_HUB_OFFLINE=1): unset HF_HUB_OFFLINE to download it, or pass a local model directory")
+
+
+def test_unreachable_hub_is_one_clear_line(tmp_path):
+    """Online mode with the hub unreachable (HF_ENDPOINT at a closed local port) and nothing cached."""
+    env = {**os.environ, "HF_HOME": str(tmp_path / "home"), "HF_ENDPOINT": "http://127.0.0.1:9",
+           "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("HF_HUB_OFFLINE", None)
+    run = subprocess.run([sys.executable, "-m", "hybridjax.cli", "generate", "--model", "nobody/nothing", "--token-ids", "1,2",
+                          "--no-compile-cache"], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 1
+    assert run.stderr.strip() == (
+        f"hybridjax generate: error: nobody/nothing: cannot reach the Hugging Face Hub and the model is not in the cache "
+        f"({tmp_path / 'home' / 'hub'}): check the network (or HF_ENDPOINT), or pass a local model directory")
