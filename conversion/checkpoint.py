@@ -354,8 +354,10 @@ def convert_hf(
     (peak memory: one copy of the model in that dtype), then saved by orbax.
     `progress(steps, total_bytes)` returns a callback taking the bytes of each param leaf read.
     """
+    from hybridjax.conversion.hub import resolve_model
+
     start = time.perf_counter()
-    hf_dir = Path(hf_dir)
+    hf_dir = resolve_model(hf_dir)
     check_out(Path(out), force, (hf_dir,))  # fail before reading anything
     with open_hf(hf_dir) as src:
         stored, total = src.stored_dtype(), src.nbytes()
@@ -364,6 +366,9 @@ def convert_hf(
         gate_names = [n for r in src.rules for p, n in zip(r.params, r.hf) if p.rsplit(".", 1)[-1] in FLOAT32_LEAVES]
         gate_src = src.reader.dtype(gate_names[0]) if gate_names else np.dtype("float32")
         target = jnp.dtype(stored if dtype is None else dtype)
+        if src.reader.scales and target == jnp.float16:
+            raise CheckpointError("fp8 weights convert to bfloat16 or float32 (--dtype): float16 cannot hold every "
+                                  "dequantised value, so the export back to fp8 would not be exact")
         params = read_params(src, target, progress(src.n_leaves, total) if progress else None)
     # Write the gates back as the source stored them when it stored them in the model dtype.
     gate_hf = target if gate_src == target else jnp.dtype("float32")
@@ -377,16 +382,17 @@ def convert_hf(
 
 
 def load(path: str | Path, dtype=None, mesh=None, progress: bool | Progress | None = None) -> tuple[Config, Params]:
-    """(Config, Params) from an HF model directory or a converted checkpoint.
+    """(Config, Params) from an HF model directory, a converted checkpoint, or a Hugging Face
+    Hub id ORG/NAME[@REVISION] (downloaded into the hub cache: `conversion.hub`).
 
     dtype None keeps the stored dtype (an HF directory's: that of its embedding table).
     mesh: place the params on a device mesh as they are read (`hybridjax.sharding`).
     progress: a tqdm bar on stderr (tensors and bytes) if True, or None and stderr is a terminal;
     none if False; or a factory `progress(steps, total_bytes) -> callback(nbytes)`.
     """
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"model directory not found: {path}")
+    from hybridjax.conversion.hub import resolve_model
+
+    path = resolve_model(path)
     factory = load_progress(progress)
     try:
         if is_checkpoint(path):

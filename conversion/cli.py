@@ -26,7 +26,8 @@ VERIFY_TOKENS = 8
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--hf-dir", type=Path, help="Hugging Face model directory to convert (config.json + safetensors)")
+    parser.add_argument("--hf-dir", help="Hugging Face model directory to convert (config.json + safetensors), "
+                                         "or a hub id ORG/NAME[@REVISION]")
     parser.add_argument("--to-hf", action="store_true", help="convert a hybridjax checkpoint back to HF safetensors")
     parser.add_argument("--checkpoint", type=Path, help="converted hybridjax checkpoint (with --to-hf)")
     parser.add_argument("--out", type=Path, required=True, help="output directory (written atomically)")
@@ -105,9 +106,13 @@ def _summary(r: Report, say) -> None:
         vision = [n for n in r.kept if n.startswith("model.visual.")]
         if vision:
             say(f"kept {len(vision)} vision-tower tensors (model.visual.*) verbatim in params.extra: not used by the text model")
-        if len(r.kept) > len(vision):
-            say(f"kept {len(r.kept) - len(vision)} other tensor(s) verbatim in params.extra: "
-                f"{', '.join(n for n in r.kept if n not in vision)}")
+        scales = [n for n in r.kept if n.endswith("_scale_inv")]
+        if scales:
+            say(f"kept {len(scales)} fp8 scales (*_scale_inv) verbatim in params.extra: the export writes fp8 again")
+        other = [n for n in r.kept if n not in vision and n not in scales]
+        if other:
+            say(f"kept {len(other)} other tensor(s) verbatim in params.extra: {', '.join(other[:6])}"
+                + (" ..." if len(other) > 6 else ""))
     for note in r.notes:
         say(note)
 

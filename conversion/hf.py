@@ -9,7 +9,9 @@ memory stays near one tensor beyond the loaded model. Every problem with the che
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import struct
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable, Iterator
@@ -20,7 +22,9 @@ import ml_dtypes  # noqa: F401  registers bfloat16 / float8 with numpy
 import numpy as np
 from safetensors import safe_open
 
-from hybridjax.conversion.names import KEPT_PREFIXES, MTP_PREFIX, Rule, rules_for
+from hybridjax.conversion import fp8
+from hybridjax.conversion.names import MTP_PREFIX, Rule
+from hybridjax.conversion.optional import Parts, split_parts
 from hybridjax.conversion.progress import Progress
 from hybridjax.config import Config, load_config, read_json
 from hybridjax.params import FLOAT32_LEAVES, Params, is_shape, param_shapes
@@ -38,6 +42,7 @@ _ST_DTYPES = {
     "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
     "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
 }
+_BYTES_ONLY = ("F8_E4M3", "F8_E5M2")  # read by mapping the file (`TensorReader._mapped`)
 
 
 def _shard_map(model_dir: Path) -> dict[str, Path]:
@@ -70,26 +75,71 @@ def read_hf_tensors(model_dir: str | Path) -> tuple[dict[str, Path], "TensorRead
 
 
 class TensorReader:
-    """Reads single tensors by name from a set of safetensors shards (memory-mapped)."""
+    """Reads single tensors by name from a set of safetensors shards (memory-mapped). Block-wise
+    fp8 weights (`quantise`) read as their float32 dequantisation (`conversion.fp8`)."""
 
     def __init__(self, shards: dict[str, Path]):
         self.shards = shards
         self._stack = ExitStack()
         self._handles: dict[Path, object] = {}
+        self._headers: dict[Path, tuple[dict, int]] = {}
+        self.scales: dict[str, str] = {}  # fp8 weight -> its scale tensor
+        self.block: tuple[int, ...] = ()
+
+    def quantise(self, scales: dict[str, str], block: tuple[int, ...]) -> None:
+        """From now on, read the fp8 weights in `scales` dequantised with `block`."""
+        self.scales, self.block = scales, block
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(name).get_slice(name).get_shape())
 
     def get(self, name: str) -> np.ndarray:
+        x = self.raw(name)
+        return fp8.dequantize(x, self.raw(self.scales[name]), self.block) if name in self.scales else x
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor as stored (fp8 weights not dequantised): what `params.extra` keeps."""
+        if self._by_bytes(name):
+            return np.array(self._mapped(name))
         return self._handle(name).get_tensor(name)
+
+    def _by_bytes(self, name: str) -> bool:
+        # safetensors' numpy reader knows no float8 (numpy has none; ml_dtypes does): map the bytes
+        return self._handle(name).get_slice(name).get_dtype() in _BYTES_ONLY
+
+    def _mapped(self, name: str) -> np.ndarray:
+        """A read-only memory map of one tensor, from the file's header (8-byte length + JSON)."""
+        path = self.shards[name]
+        if path not in self._headers:
+            with open(path, "rb") as f:
+                n = struct.unpack("<Q", f.read(8))[0]
+                self._headers[path] = (json.loads(f.read(n)), 8 + n)
+        header, base = self._headers[path]
+        entry = header[name]
+        start, end = entry["data_offsets"]
+        dtype = np.dtype(_ST_DTYPES[entry["dtype"]])
+        if end == start:
+            return np.zeros(entry["shape"], dtype)
+        return np.memmap(path, np.uint8, "r", offset=base + start, shape=(end - start,)).view(dtype).reshape(entry["shape"])
 
     def get_slice(self, name: str, index: tuple) -> np.ndarray:
         """tensor[index] (a tuple of slices, one per axis), reading only those bytes."""
         view = self._handle(name).get_slice(name)
         full = view.get_shape()
-        return view[tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, full))]
+        bounds = tuple(s.indices(n)[:2] for s, n in zip(index, full))
+        cut = tuple(slice(*b) for b in bounds)
+        x = np.array(self._mapped(name)[cut]) if self._by_bytes(name) else view[cut]
+        if name in self.scales:
+            x = fp8.dequantize_slice(x, self.raw(self.scales[name]), self.block, tuple(b[0] for b in bounds[-2:]))
+        return x
 
     def dtype(self, name: str) -> np.dtype:
+        """The dtype `get` returns (float32 for fp8 weights read dequantised)."""
+        if name in self.scales:
+            return np.dtype(np.float32)
+        return self.stored_dtype(name)
+
+    def stored_dtype(self, name: str) -> np.dtype:
         return np.dtype(_ST_DTYPES[self._handle(name).get_slice(name).get_dtype()])
 
     def nbytes(self, name: str) -> int:
@@ -135,19 +185,12 @@ def leaf_shapes(cfg: Config, mtp: bool = False) -> dict[str, tuple[int, ...]]:
     return {path_str(p): s for p, s in flat}
 
 
-def _check(rules: list[Rule], names: set[str], reader: TensorReader, cfg: Config) -> None:
-    expected = {n for r in rules for n in r.hf}
-    missing = sorted(expected - names)
-    unexpected = sorted(
-        n for n in names - expected if not n.startswith(KEPT_PREFIXES)
-    )
-    if cfg.tie_word_embeddings and "lm_head.weight" in unexpected:
-        unexpected.remove("lm_head.weight")  # some tied checkpoints still store the copy
+def _check(parts: Parts) -> None:
+    """Raise CheckpointError naming every missing or unexpected text-model tensor."""
     problems = []
-    if missing:
-        problems.append(f"missing tensors ({len(missing)}): {', '.join(missing[:20])}" + (" ..." if len(missing) > 20 else ""))
-    if unexpected:
-        problems.append(f"unexpected tensors ({len(unexpected)}): {', '.join(unexpected[:20])}" + (" ..." if len(unexpected) > 20 else ""))
+    for what, names in (("missing", parts.missing), ("unexpected", parts.unexpected)):
+        if names:
+            problems.append(f"{what} tensors ({len(names)}): {', '.join(names[:20])}" + (" ..." if len(names) > 20 else ""))
     if problems:
         raise CheckpointError("checkpoint does not match config.json: " + "; ".join(problems))
 
@@ -184,21 +227,19 @@ def to_device(path: str, arr: np.ndarray, dtype) -> jax.Array:
 
 @dataclasses.dataclass
 class HFSource:
-    """An HF directory checked against its config.json: the rules that read it and an open
-    reader (close it, or use the source as a context manager)."""
+    """An HF directory checked against its config.json: the rules that read it, the tensors kept
+    verbatim (`conversion.optional`), and an open reader (close it, or use the source as a
+    context manager)."""
 
     cfg: Config
     rules: list[Rule]
     reader: TensorReader
     names: set[str]
-
-    @property
-    def kept(self) -> list[str]:
-        """Tensors no rule reads, carried verbatim into `params.extra` so that writing back to HF
-        gives every tensor of the source: the vision tower (model.visual.*), a tied checkpoint's
-        lm_head.weight copy."""
-        read = {n for r in self.rules for n in r.hf}
-        return sorted(self.names - read)
+    # Tensors no rule reads, carried verbatim into `params.extra` so that writing back to HF gives
+    # every tensor of the source: the vision tower, an MTP head that cannot load, fp8 scales,
+    # unknown tensors, a tied checkpoint's lm_head.weight copy.
+    kept: list[str] = dataclasses.field(default_factory=list)
+    warning: str = ""  # one line about optional parts not loaded
 
     @property
     def dropped(self) -> list[str]:
@@ -217,7 +258,8 @@ class HFSource:
 
     def nbytes(self) -> int:
         """Bytes that loading reads: every rule's tensors plus the kept ones."""
-        return sum(self.reader.nbytes(n) for r in self.rules for n in r.hf) + sum(map(self.reader.nbytes, self.kept))
+        kept = sum(int(np.prod(self.reader.shape(n), dtype=np.int64)) * self.reader.stored_dtype(n).itemsize for n in self.kept)
+        return sum(self.reader.nbytes(n) for r in self.rules for n in r.hf) + kept
 
     def __enter__(self):
         return self
@@ -226,36 +268,66 @@ class HFSource:
         self.reader.close()
 
 
+def _read_fp8(cfg: Config, names: set[str], reader: TensorReader) -> None:
+    """Set `reader` to dequantise the checkpoint's block-wise fp8 weights (`conversion.fp8`)."""
+    scales, orphans = fp8.quantised_weights(names, reader.stored_dtype)
+    if orphans:
+        raise CheckpointError(f"float8 tensors without their {fp8.SCALE_SUFFIX} scales ({len(orphans)}): "
+                              f"{', '.join(orphans[:20])}")
+    if scales and not cfg.weight_block_size:
+        raise CheckpointError("the checkpoint stores fp8 weights with scales but config.json has no quantization_config "
+                              '(expected {"quant_method": "fp8", "weight_block_size": [128, 128]})')
+    bad = [f"{s} {reader.shape(s)} (expected {fp8.scale_shape(reader.shape(w), cfg.weight_block_size)})"
+           for w, s in sorted(scales.items()) if reader.shape(s) != fp8.scale_shape(reader.shape(w), cfg.weight_block_size)]
+    if bad:
+        raise CheckpointError(f"fp8 scales that do not match weight_block_size {list(cfg.weight_block_size)}: "
+                              + "; ".join(bad[:20]))
+    reader.quantise(scales, cfg.weight_block_size)
+
+
 def open_hf(model_dir: str | Path) -> HFSource:
-    """Read config.json and the shard index of an HF directory and check the tensor names."""
+    """Read config.json and the shard index of an HF directory and check the tensor names: the
+    text model's must be complete; optional parts that cannot load are kept and warned about once."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"model directory not found: {model_dir}")
     cfg = load_config(model_dir)
     shards, reader = read_hf_tensors(model_dir)
     names = set(shards)
-    rules = rules_for(cfg, text_root(names), has_fused_experts(names), mtp=has_mtp(names))
+    raw = read_json(model_dir / "config.json", CheckpointError)
     try:
-        _check(rules, names, reader, cfg)
+        _read_fp8(cfg, names, reader)
     except CheckpointError:
         reader.close()
         raise
-    return HFSource(cfg, rules, reader, names)
+    parts = split_parts(cfg, names, text_root(names), has_fused_experts(names), reader.shape,
+                        lambda mtp: leaf_shapes(cfg, mtp), raw)
+    try:
+        _check(parts)
+    except CheckpointError:
+        reader.close()
+        raise
+    if parts.warning:
+        log.warning("%s: %s", model_dir.name, parts.warning)
+    return HFSource(cfg, parts.rules, reader, names, parts.kept, parts.warning)
 
 
 def load_hf(model_dir: str | Path, dtype="float32", progress: Progress | None = None,
             mesh=None) -> tuple[Config, Params]:
-    """Read an HF model directory into (Config, Params), casting weights to `dtype`
-    (None: the checkpoint's own dtype).
+    """Read an HF model directory (or hub id ORG/NAME[@REVISION], `conversion.hub`) into
+    (Config, Params), casting weights to `dtype` (None: the checkpoint's own dtype).
 
-    The gate parameters (A_log, dt_bias) stay float32. `mtp.*` tensors, when present, load into
-    `params.mtp`; vision-tower tensors of multimodal checkpoints are skipped.
+    The gate parameters (A_log, dt_bias) stay float32. A complete MTP head (`mtp.*`) loads into
+    `params.mtp`; tensors the text model does not use (vision tower, a partial head) are kept
+    verbatim in `params.extra` (`conversion.optional`).
     `progress(steps, total_bytes)` (`hybridjax.conversion.progress`), if given, returns a callback
     taking the bytes of each param leaf read.
     `mesh`: place each param on the mesh by `hybridjax.sharding.RULES` as it is read, each device
     receiving only its shard (see `read_params_sharded`).
     """
-    with open_hf(model_dir) as src:
+    from hybridjax.conversion.hub import resolve_model
+
+    with open_hf(resolve_model(model_dir)) as src:
         step = progress(src.n_leaves, src.nbytes()) if progress else None
         if mesh is not None:
             return src.cfg, read_params_sharded(src, mesh, dtype, step)
@@ -340,7 +412,7 @@ def read_params_sharded(src: HFSource, mesh, dtype="float32", progress: Callable
     if bad:
         raise CheckpointError("mis-shaped tensors: " + "; ".join(bad))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    extra = {n: jax.device_put(reader.get(n), replicated) for n in src.kept}
+    extra = {n: jax.device_put(reader.raw(n), replicated) for n in src.kept}
     return assemble(cfg, leaves, extra).replace(mesh=mesh)
 
 
@@ -355,9 +427,9 @@ def read_params(src: HFSource, dtype="float32", progress: Callable[[int], None] 
             progress(arr.nbytes)  # transforms keep size and dtype: these add up to the bytes read
     extra = {}
     for n in src.kept:
-        extra[n] = jnp.asarray(reader.get(n))
+        extra[n] = jnp.asarray(reader.raw(n))
         if progress:
-            progress(reader.nbytes(n))
+            progress(extra[n].nbytes)
     if extra:
         log.info("kept %d tensors outside the text model verbatim in params.extra", len(extra))
     return assemble(cfg, leaves, extra)

@@ -28,7 +28,9 @@ import numpy as np
 
 from hybridjax.conversion.checkpoint import CheckpointReader, Report, copy_aux_files, staged_dir
 from hybridjax.conversion.hf import _ST_DTYPES, CheckpointError, flat_leaves, leaf_shapes
+from hybridjax.conversion import fp8
 from hybridjax.conversion.names import Rule, rules_for
+from hybridjax.conversion.optional import SCALE_SUFFIX
 from hybridjax.config import Config, read_json
 from hybridjax.params import FLOAT32_LEAVES, Params
 
@@ -66,7 +68,8 @@ class Entry:
 
 def plan(cfg: Config, params: Params, gate_dtype) -> list[tuple[Rule | str, list[Entry]]]:
     """Every HF tensor to write, grouped by the rule (or extra tensor name) producing it.
-    `params` may hold arrays or jax.ShapeDtypeStruct: only leaf dtypes are read."""
+    `params` may hold arrays or jax.ShapeDtypeStruct: only leaf dtypes are read. A weight whose
+    fp8 scale is kept in `params.extra` is written as fp8 again (`conversion.fp8`)."""
     mtp = params.mtp is not None
     shapes, leaves = leaf_shapes(cfg, mtp), flat_leaves(params.replace(extra={}))
     groups: list[tuple[Rule | str, list[Entry]]] = []
@@ -74,7 +77,8 @@ def plan(cfg: Config, params: Params, gate_dtype) -> list[tuple[Rule | str, list
         probes = [np.zeros(shapes[p], _ZERO_BYTES) for p in rule.params]
         outs = rule.to_hf(*probes)
         dt = _out_dtype(rule, leaves, gate_dtype)
-        groups.append((rule, [Entry(n, dt, tuple(o.shape)) for n, o in zip(rule.hf, outs, strict=True)]))
+        groups.append((rule, [Entry(n, fp8.FP8 if n + SCALE_SUFFIX in params.extra else dt, tuple(o.shape))
+                              for n, o in zip(rule.hf, outs, strict=True)]))
     for name, x in sorted(params.extra.items()):
         groups.append((name, [Entry(name, np.dtype(x.dtype), tuple(x.shape))]))
     return groups
@@ -178,6 +182,10 @@ def write_shards(cfg: Config, abstract: Params, fetch: Callable[[str], dict[str,
     shards = shard(entries, parse_size(max_shard_size))
     writer = ShardWriter(out_dir, shards)
     step = progress(len(entries), total) if progress else None
+    quantised = {e.name for e in entries if e.dtype == fp8.FP8 and e.name + SCALE_SUFFIX in abstract.extra}
+    scales = {n[len("extra."):]: x for n, x in fetch("extra").items() if n.endswith(SCALE_SUFFIX)} if quantised else {}
+    if quantised and not cfg.weight_block_size:
+        raise CheckpointError("params hold fp8 scales but the config has no quantization_config.weight_block_size")
     key, held = None, {}
     try:
         for src, es in groups:
@@ -190,6 +198,8 @@ def write_shards(cfg: Config, abstract: Params, fetch: Callable[[str], dict[str,
             else:
                 outs = (held[first],)
             for e, arr in zip(es, outs, strict=True):
+                if e.name in quantised:  # back to the source's fp8 bytes with its own scales
+                    arr = fp8.quantize(arr, scales[e.name + SCALE_SUFFIX], cfg.weight_block_size)
                 writer.write(e.name, arr)
                 if step:
                     step(e.nbytes)

@@ -2,7 +2,7 @@
 
 Text in, text out:
 
-    model = hybridjax.load_model("path/to/model_dir")   # None: the embedded default model
+    model = hybridjax.load_model("path/to/model_dir")   # or "Qwen/Qwen3.5-0.8B"; None: the embedded default
     model.generate("Hello")                              # or a list of chat messages
 
 The functional API (token ids, caches as values):
@@ -42,7 +42,8 @@ __version__ = "0.1.0"
 
 
 def load_hf(model_dir, dtype="float32", mesh=None, progress=None, pack_for_decode=False):
-    """(Config, Params) from a Hugging Face model directory; see `hybridjax.conversion.hf.load_hf`.
+    """(Config, Params) from a Hugging Face model directory or hub id ORG/NAME[@REVISION] (FP8
+    checkpoints dequantised; optional parts kept in params.extra); see `hybridjax.conversion.hf.load_hf`.
     `mesh` (from `make_mesh`): each device receives its shard as the tensors are read.
     `progress`: as for `load`. `pack_for_decode`: see `load`."""
     # The facade reaches down into conversion lazily; nothing below it imports conversion.
@@ -54,7 +55,8 @@ def load_hf(model_dir, dtype="float32", mesh=None, progress=None, pack_for_decod
 
 
 def load(path, dtype=None, mesh=None, progress=None, pack_for_decode=False):
-    """(Config, Params) from an HF model directory or a converted hybridjax checkpoint, placed on
+    """(Config, Params) from an HF model directory, a hub id ORG/NAME[@REVISION] or a converted
+    hybridjax checkpoint, placed on
     `mesh` shard by shard when given. `progress`: a bar on stderr (tensors, bytes) when True, or
     when None and stderr is a terminal; False: none (see `hybridjax.conversion.load`).
     `pack_for_decode`: bfloat16 projections are also kept as packed panels that the CPU decode
@@ -74,6 +76,21 @@ def _pack(params, mesh, pack_for_decode):
     return cpu_kernels.pack_params(params)
 
 
+def resolve_model(ref):
+    """The local directory of a model reference: a directory (always wins), or a Hugging Face Hub
+    id ORG/NAME[@REVISION] fetched into the hub cache (`hybridjax.conversion.hub`)."""
+    from hybridjax.conversion.hub import resolve_model as _resolve
+
+    return _resolve(ref)
+
+
+def is_hub_id(ref) -> bool:
+    """Whether `ref` is read as a hub id (it has the form ORG/NAME[@REVISION] and is no directory)."""
+    from hybridjax.conversion.hub import parse_hub_id
+
+    return not _Path(ref).is_dir() and parse_hub_id(str(ref)) is not None
+
+
 def save_hf(params, cfg, out_dir, **kw):
     """Write params as an HF safetensors model directory (config.json, shards and index) that
     `load_hf` and transformers read; see `hybridjax.conversion.to_hf.write_hf` for the options."""
@@ -84,6 +101,6 @@ def save_hf(params, cfg, out_dir, **kw):
 
 __all__ = [
     "Cache", "Config", "ConfigError", "GDNState", "KVState", "MeshError", "Model", "Params", "config_from_dict",
-    "forward", "init_cache", "init_params", "load", "load_config", "load_hf", "load_model", "make_mesh", "reserve",
+    "forward", "init_cache", "init_params", "load", "load_config", "load_hf", "load_model", "make_mesh", "reserve", "resolve_model",
     "save_hf", "shard_cache", "shard_params",
 ]

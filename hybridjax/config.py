@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,15 @@ class Config:
     eos_token_id: tuple[int, ...] = ()
     # identity of the source checkpoint, kept so converters can write it back
     model_type: str = ""
+    # block-wise fp8 checkpoints: quantization_config.weight_block_size (rows, cols); () when the
+    # weights are not quantised. Loading dequantises (hybridjax.conversion.fp8); the export uses it.
+    weight_block_size: tuple[int, ...] = ()
+
+    def kv_heads_laid_out(self, tensor: int = 1) -> int:
+        """KV heads as caches hold them over `tensor` shards: num_key_value_heads, or, when the
+        heads do not divide over the shards (tensor > Hkv), each head repeated so that every shard
+        holds the KV heads its query heads read (vLLM's replication): lcm(Hkv, tensor)."""
+        return math.lcm(self.num_key_value_heads, tensor)
 
     # --- derived sizes (axis vocabulary of docs/architecture.md) ---
     @property
@@ -205,9 +215,27 @@ def config_from_dict(raw: dict) -> Config:
         max_position_embeddings=int(_get(text, "max_position_embeddings", 32768)),
         eos_token_id=_eos(raw, text),
         model_type=str(model_type),
+        weight_block_size=_weight_block_size(raw.get("quantization_config", text.get("quantization_config"))),
     )
     _check_sizes(cfg)
     return cfg
+
+
+QUANT_METHODS = ("fp8",)
+
+
+def _weight_block_size(quant) -> tuple[int, ...]:
+    """quantization_config -> the fp8 block (rows, cols); () for none. Other methods are refused."""
+    if quant is None:
+        return ()
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method not in QUANT_METHODS:
+        raise ConfigError(f"config.json: quantization_config.quant_method {method!r} is not supported (hybridjax reads "
+                          "unquantised and block-wise fp8 checkpoints): use the unquantised or the -FP8 release of the model")
+    block = quant.get("weight_block_size", [128, 128])  # transformers' FineGrainedFP8Config default
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ConfigError(f"config.json: quantization_config.weight_block_size must be [rows, cols], got {block!r}")
+    return tuple(block)
 
 
 def _check_sizes(cfg: Config) -> None:
@@ -240,5 +268,6 @@ def load_config(model_dir: str | Path) -> Config:
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise ConfigError(f"no config.json found at {path}")
+        raise ConfigError(f"no config.json found at {path}: a model directory holds the Hugging Face config.json and "
+                          "*.safetensors (or is a converted hybridjax checkpoint); check the path")
     return config_from_dict(read_json(path))

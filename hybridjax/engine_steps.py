@@ -93,9 +93,10 @@ def init_state(cfg: Config, slots: int, num_pages: int, page_size: int, dtype=jn
     """Zeros everywhere (every leaf its own buffer: donation needs that); placed on `mesh` when
     given (`state_shardings`). mtp: with the MTP layer's KV pool and the rows' hidden states
     (a speculative engine)."""
-    state = _zeros_state(cfg, slots, num_pages, page_size, dtype)
+    heads = cfg.kv_heads_laid_out(sharding.axis_size(mesh, "tensor"))
+    state = _zeros_state(cfg, slots, num_pages, page_size, dtype, heads)
     if mtp:
-        shape = (num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (num_pages, page_size, heads, cfg.head_dim)
         state = state.replace(mtp=PagedKV(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)),
                               hidden=jnp.zeros((slots, cfg.hidden_size), dtype))
     if not sharding.is_multi_device(mesh):
@@ -103,11 +104,12 @@ def init_state(cfg: Config, slots: int, num_pages: int, page_size: int, dtype=jn
     return jax.tree_util.tree_map(jax.device_put, state, state_shardings(state, mesh))
 
 
-def _zeros_state(cfg: Config, slots: int, num_pages: int, page_size: int, dtype=jnp.float32) -> EngineState:
+def _zeros_state(cfg: Config, slots: int, num_pages: int, page_size: int, dtype=jnp.float32,
+                 kv_heads: int | None = None) -> EngineState:
     layers = []
     for t in cfg.layer_types:
         if t == FULL:
-            shape = (num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
+            shape = (num_pages, page_size, kv_heads or cfg.num_key_value_heads, cfg.head_dim)
             layers.append(PagedKV(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)))
         else:
             hv, k, v = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim

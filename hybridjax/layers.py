@@ -74,6 +74,9 @@ def gated_attention(p: AttentionParams, x: Array, state: KVState | PagedKV, star
     positions = starts[:, None] + jnp.arange(t, dtype=starts.dtype)  # [B, T]
     cos, sin = ops.rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
     q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
+    copies = state.k.shape[2] // hkv  # > 1: KV heads replicated over tensor shards (Config.kv_heads_laid_out)
+    if copies > 1:  # repeat, never tile: laid-out head j is head j // copies, so query head h still reads h // (Hq/Hkv)
+        k, v = jnp.repeat(k, copies, axis=2), jnp.repeat(v, copies, axis=2)
 
     if isinstance(state, PagedKV):
         k_pool = ops.write_kv_paged(state.k, k, state.table, starts, valid)

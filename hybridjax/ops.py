@@ -11,6 +11,7 @@ multi-device mesh both run per head shard in `shard_map`.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -193,6 +194,9 @@ def delta_rule(q, k, v, g, beta, state, implementation=None):
     mesh = sharding.current_mesh()
     if mesh is None:
         return rule(q, k, v, g, beta, initial_state=state)
+    copies = math.lcm(q.shape[2], sharding.axis_size(mesh, "tensor")) // q.shape[2]
+    if copies > 1:  # fewer key heads than shards: repeat them (value head h reads key head h // r still)
+        q, k = jnp.repeat(q, copies, axis=2), jnp.repeat(k, copies, axis=2)
     in_specs, out_specs = sharding.delta_rule_specs(mesh, q.shape[0], q.shape[2])
     local = lambda q, k, v, g, beta, s: rule(q, k, v, g, beta, initial_state=s)  # noqa: E731
     # check_vma off: the Pallas kernels do not declare how their outputs vary over the mesh.

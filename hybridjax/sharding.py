@@ -133,12 +133,13 @@ def current_mesh():
 
 
 def check_model(cfg: Config, mesh) -> None:
-    """Raise MeshError naming every head / width count of `cfg` that does not divide over its axis."""
+    """Raise MeshError naming every head / width count of `cfg` that does not divide over its axis.
+
+    Attention KV heads and GDN key heads need not divide: with more shards than heads they are
+    replicated, each shard holding the heads its query / value heads read (`kv_replicated`)."""
     t, e = axis_size(mesh, "tensor"), axis_size(mesh, "expert")
     counts = [
         ("attention query heads (num_attention_heads)", cfg.num_attention_heads, "tensor", t),
-        ("attention key/value heads (num_key_value_heads)", cfg.num_key_value_heads, "tensor", t),
-        ("GDN key heads (linear_num_key_heads)", cfg.linear_num_key_heads, "tensor", t),
         ("GDN value heads (linear_num_value_heads)", cfg.linear_num_value_heads, "tensor", t),
         ("vocabulary (vocab_size)", cfg.vocab_size, "tensor", t),
     ]
@@ -184,11 +185,26 @@ RULES: tuple[tuple[str, int | None, P], ...] = (
 )
 
 
-def spec_for(path: str, shape: tuple[int, ...]) -> P:
+def spec_for(path: str, shape: tuple[int, ...], kv_replicated: bool = False) -> P:
+    """The PartitionSpec of a leaf by `RULES`; `kv_replicated`: k_proj / v_proj whole on every
+    device (their heads are fewer than the tensor shards, see `kv_replicated`)."""
+    if kv_replicated and re.search(_KV_PROJ, path):
+        return P()
     for pattern, rank, spec in RULES:
         if (rank is None or rank == len(shape)) and re.search(pattern, path):
             return spec
     raise AssertionError("the last rule matches everything")
+
+
+_KV_PROJ = r"mixer\.[kv]_proj$"
+
+
+def kv_replicated(cfg: Config | None, mesh) -> bool:
+    """Whether `mesh` has more tensor shards than `cfg` has KV heads (more exactly: they do not
+    divide). Then, as vLLM does, every device computes all Hkv heads (k_proj / v_proj replicated:
+    they are small) and keeps in its cache only the copies its query heads read
+    (`Config.kv_heads_laid_out`: the cache holds lcm(Hkv, tensor) heads, split on `tensor`)."""
+    return cfg is not None and cfg.num_key_value_heads % axis_size(mesh, "tensor") != 0
 
 
 def _leaf_path(path) -> str:
@@ -202,15 +218,18 @@ def _checked(path: str, shape, spec: P, mesh) -> P:
     return spec
 
 
-def param_specs(tree, mesh):
+def param_specs(tree, mesh, cfg: Config | None = None):
     """PartitionSpecs for a Params-shaped tree whose leaves are arrays, ShapeDtypeStructs or
-    shape tuples (`params.param_shapes`), by `RULES`."""
+    shape tuples (`params.param_shapes`), by `RULES` (KV projections replicated when `cfg`'s KV
+    heads do not divide over `tensor`: `kv_replicated`)."""
     from hybridjax.params import is_shape
+
+    replicate = kv_replicated(cfg, mesh)
 
     def one(path, leaf):
         shape = leaf if is_shape(leaf) else tuple(leaf.shape)
         p = _leaf_path(path)
-        return _checked(p, shape, spec_for(p, shape), mesh)
+        return _checked(p, shape, spec_for(p, shape, replicate), mesh)
 
     return jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_shape)
 
@@ -218,7 +237,7 @@ def param_specs(tree, mesh):
 def param_shardings(tree, cfg: Config, mesh: Mesh):
     """NamedShardings for a Params-shaped tree (see `param_specs`), after `check_model`."""
     check_model(cfg, mesh)
-    return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), param_specs(tree, mesh),
+    return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), param_specs(tree, mesh, cfg),
                                   is_leaf=lambda x: isinstance(x, P))
 
 
@@ -228,7 +247,8 @@ def sharding_by_path(cfg: Config, mesh: Mesh, mtp: bool = False) -> dict[str, Na
 
     check_model(cfg, mesh)
     flat, _ = jax.tree_util.tree_flatten_with_path(param_shapes(cfg, mtp), is_leaf=is_shape)
-    return {_leaf_path(p): NamedSharding(mesh, _checked(_leaf_path(p), s, spec_for(_leaf_path(p), s), mesh))
+    replicate = kv_replicated(cfg, mesh)
+    return {_leaf_path(p): NamedSharding(mesh, _checked(_leaf_path(p), s, spec_for(_leaf_path(p), s, replicate), mesh))
             for p, s in flat}
 
 

@@ -102,7 +102,11 @@ def check_speculative(params: Params, k: int, rollback: str = "states") -> None:
     if not 1 <= k <= MAX_DRAFT:
         raise ValueError(f"speculative tokens must be in 1..{MAX_DRAFT}, got {k}")
     if params.mtp is None:
-        raise ValueError("speculative decoding needs an MTP head (this checkpoint has no mtp.* tensors)")
+        if any(n.startswith("mtp.") for n in params.extra):  # kept verbatim: partial, mis-shaped or unknown
+            raise ValueError("speculative decoding needs an MTP head, and this checkpoint's mtp.* tensors do not form "
+                             "one (see the warning at load): run without --speculative-tokens")
+        raise ValueError("speculative decoding needs an MTP head (this checkpoint has no mtp.* tensors): "
+                         "run without --speculative-tokens")
     if rollback not in ROLLBACKS:
         raise ValueError(f"rollback must be one of {ROLLBACKS}, got {rollback!r}")
 

@@ -72,8 +72,9 @@ class Model:
 
 
 def load_model(path: str | Path | None = None, dtype: str | None = None) -> Model:
-    """A Model from an HF model directory or a converted checkpoint (it needs a
-    tokenizer.json), or the embedded default model when `path` is None."""
+    """A Model from an HF model directory, a converted checkpoint or a Hugging Face Hub id
+    ORG/NAME[@REVISION] (it needs a tokenizer.json), or the embedded default model when `path`
+    is None."""
     if path is None:
         from hybridjax.default_model import DEFAULT_NAME, default_model
 
@@ -82,10 +83,10 @@ def load_model(path: str | Path | None = None, dtype: str | None = None) -> Mode
     import hybridjax
     from hybridjax.tokenizer import Tokenizer
 
-    d = Path(path)
-    if not d.is_dir():
-        raise FileNotFoundError(f"model directory not found: {d}")
+    if not hybridjax.is_hub_id(path) and not Path(path).is_dir():
+        raise FileNotFoundError(f"model directory not found: {path}")
+    d = hybridjax.resolve_model(path)  # a directory, or a hub id ORG/NAME[@REVISION]
     tok = Tokenizer.from_dir(d)  # first: a missing tokenizer.json fails before loading weights
     cfg, params = hybridjax.load(d, dtype=dtype or "float32")  # float32: faster decode on CPU
     tok = Tokenizer.from_dir(d, cfg.eos_token_id)
-    return Model(cfg, params, tok, d.name)
+    return Model(cfg, params, tok, str(path) if hybridjax.is_hub_id(path) else d.name)

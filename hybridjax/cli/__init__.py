@@ -173,14 +173,14 @@ def load_model(model: str | None, dtype: str | None = None, mesh: str | None = N
         return cfg, cpu_kernels.pack_params(params) if pack else params, tok, DEFAULT_NAME
     from hybridjax.tokenizer import Tokenizer
 
-    path = Path(model)
-    if not path.is_dir():
-        raise CLIError(f"model directory not found: {model}")
+    from hybridjax.conversion.hub import resolve_model
+
+    path = resolve_model(model)  # a local directory, else a hub id ORG/NAME[@REVISION]
     placed = hybridjax.make_mesh(mesh, hybridjax.load_config(path)) if mesh else None
     # float32 unless asked: on CPU it decodes faster than bfloat16 (see DTYPE_HELP).
     cfg, params = hybridjax.load(path, dtype=dtype or "float32", mesh=placed, pack_for_decode=pack)
     tok = Tokenizer.from_dir(path, cfg.eos_token_id) if (path / "tokenizer.json").is_file() else None
-    return cfg, params, tok, path.name
+    return cfg, params, tok, str(model) if hybridjax.is_hub_id(model) else path.name
 
 
 def _prompt_ids(args, tok) -> list[int]:
