@@ -273,7 +273,8 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
         h0, completion = handles[0], sum(len(h.token_ids) for h in handles)
         return {"prompt_tokens": h0.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": h0.prompt_tokens + completion,
-                "prompt_tokens_details": {"cached_tokens": h0.cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": h0.cached_tokens,
+                                          "prefix_cache": h0.cache_report.as_dict()}}
 
     def scored(h: RequestHandle) -> list[tuple[int, tuple]]:
         """(token, logprobs) of the tokens in the text (not the stop token)."""
@@ -288,8 +289,9 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
         # a reply of one token per choice has none (it was logged as thousands of tok/s).
         decoded = gen - len(handles)
         rate = f", {decoded / (now - first):.1f} tok/s" if first and decoded > 0 and now > first else ""
-        log.info("%s: prompt %d tokens (cached %d), generated %d, ttft %.3f s%s, %s", kind,
-                 handles[0].prompt_tokens, handles[0].cached_tokens, gen, ttft, rate,
+        report = handles[0].cache_report
+        log.info("%s: prompt %d tokens (cached %d from %s: %s), generated %d, ttft %.3f s%s, %s", kind,
+                 handles[0].prompt_tokens, handles[0].cached_tokens, report.source, report.reason, gen, ttft, rate,
                  ",".join(str(h.finish_reason) for h in handles))
 
     async def drain(request: Request, handles: list[RequestHandle]) -> float | None:
