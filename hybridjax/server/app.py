@@ -56,6 +56,7 @@ class ServerConfig:
     prefix_cache: bool = True
     cache_mb: float = 1024.0
     cache_entries: int = 256
+    cache_eviction: str = "gdsf"  # or "lru" (hybridjax.eviction)
     cache_ttl_s: float = 3600.0
     checkpoint_interval: int = 256
     cache_dir: str | None = None
@@ -92,7 +93,7 @@ def build_engine(sc: ServerConfig, cfg, params, tokenizer, name: str, calls=None
         # A speculative engine's snapshots carry a hidden state more: their files are kept apart.
         ident = model_identity(name, cfg, params) + ("-mtp" if sc.speculative_tokens else "")
         store = SnapshotStore(ident, max_bytes=int(sc.cache_mb * 2**20),
-                              max_entries=sc.cache_entries, ttl_s=sc.cache_ttl_s)
+                              max_entries=sc.cache_entries, ttl_s=sc.cache_ttl_s, policy=sc.cache_eviction)
     num_pages = sc.kv_pages
     if num_pages is None and sc.kv_mb is not None:
         num_pages = max(1, int(sc.kv_mb * 2**20 // page_bytes(cfg, sc.page_size, params.embed.dtype,
