@@ -8,6 +8,7 @@ tokenizer is char-level, one token per character, so equal texts are equal token
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 
@@ -110,12 +111,15 @@ def test_speculative_answers_on_cache_hits_equal_cold_plain_answers(servers):
     assert 'hybridjax_prefix_cache_requests_total{reason="below_checkpoint_grid"} 1.0' in metrics
 
 
-def test_stream_reports_in_its_last_chunk(servers):
+def test_stream_reports_in_its_last_chunk_and_the_log_line(servers, caplog):
     spec, _ = servers
     prompt = P[:20] + [1, 2, 3]
+    caplog.set_level(logging.INFO, logger="hybridjax.server.app")
     with httpx.stream("POST", spec.url + "/v1/completions", timeout=600, json={
             "model": NAME, "prompt": prompt, "max_tokens": 6, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}) as r:
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
-    assert report(chunks[-1])["source"] in ("prompt", "checkpoint")
-    assert report(chunks[-1])["matched_tokens"] >= 16
+    r = report(chunks[-1])
+    assert r["source"] in ("prompt", "checkpoint") and r["matched_tokens"] >= 16
+    lines = [m.getMessage() for m in caplog.records if m.getMessage().startswith("completion stream:")]
+    assert f"(cached {r['matched_tokens']} from {r['source']}: {r['reason']})" in lines[-1]
