@@ -1,6 +1,6 @@
 """Coding-agent transcripts replayed through /v1/chat/completions with `tools`, cache on and defeated.
 
-    python benchmarks/bench_agent.py [--rounds 10] [--tool-tokens 300,400] [--traces 1] [--json OUT]
+    python benchmarks/bench_agent.py [--rounds 10] [--tool-tokens 250,320] [--traces 1] [--gap 0] [--json OUT]
 
 The server runs in this process (uvicorn in a thread, as tests/test_server.py does), on the embedded
 default model (float32, 8 layers, hidden 256, vocab 4096, context 4096), every shape compiled
@@ -113,10 +113,14 @@ def ask(url: str, messages: list[dict], salt: str) -> dict:
             "report": usage["prompt_tokens_details"].get("prefix_cache")}
 
 
-def replay(url: str, requests: list[list[dict]], salt: str | None) -> list[dict]:
+def replay(url: str, requests: list[list[dict]], salt: str | None, gap: float, engine) -> list[dict]:
+    """Each request after the previous answer, `gap` seconds later (the agent running its tool)."""
     out = []
     for i, messages in enumerate(requests):
+        background = engine.counters["background_prefills"]
         out.append(ask(url, messages, salt if salt is not None else f"cold-{time.time_ns()}-{i}"))
+        time.sleep(gap)
+        out[-1]["background_prefills"] = engine.counters["background_prefills"] - background
     return out
 
 
@@ -125,6 +129,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--tool-tokens", default="300,400", help="min,max tokens of each tool result")
     ap.add_argument("--traces", type=int, default=1)
+    ap.add_argument("--gap", type=float, default=0.0,
+                    help="seconds between an answer and the next request (the tool running); not in the totals")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     tool_tokens = tuple(int(x) for x in args.tool_tokens.split(","))
@@ -148,10 +154,11 @@ def main(argv=None) -> int:
     try:
         for t in range(args.traces):
             requests = trace(t, args.rounds, tool_tokens, tok)
-            warm = replay(url, requests, salt=f"trace-{t}")
-            cold = replay(url, requests, salt=None)
+            warm = replay(url, requests, f"trace-{t}", args.gap, engine)
+            cold = replay(url, requests, None, args.gap, engine)
             results.append({"warm": warm, "cold": cold})
-            print(f"\ntrace {t}: {args.rounds} rounds")
+            print(f"\ntrace {t}: {args.rounds} rounds, gap {args.gap} s; idle-time next-turn prefills that ended "
+                  f"within a warm turn + its gap: {sum(w['background_prefills'] for w in warm)}")
             print(f"{'turn':>4} {'prompt':>6} {'new':>5} {'cached':>6} {'reason':>10} {'ttft':>7} {'cold ttft':>9} "
                   f"{'cold new':>8} {'ttft-cold new':>13}")
             prev = 0

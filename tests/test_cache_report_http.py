@@ -113,13 +113,17 @@ def test_speculative_answers_on_cache_hits_equal_cold_plain_answers(servers):
 
 def test_stream_reports_in_its_last_chunk_and_the_log_line(servers, caplog):
     spec, _ = servers
+    spec.complete(P)  # stores P's checkpoint at 16 (if the test above has not)
     prompt = P[:20] + [1, 2, 3]
-    caplog.set_level(logging.INFO, logger="hybridjax.server.app")
+    caplog.set_level(logging.INFO, logger="hybridjax.server")
     with httpx.stream("POST", spec.url + "/v1/completions", timeout=600, json={
             "model": NAME, "prompt": prompt, "max_tokens": 6, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}) as r:
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     r = report(chunks[-1])
     assert r["source"] in ("prompt", "checkpoint") and r["matched_tokens"] >= 16
-    lines = [m.getMessage() for m in caplog.records if m.getMessage().startswith("completion stream:")]
+    deadline = time.time() + 30  # the line is logged once the stream has ended
+    while not (lines := [m.getMessage() for m in caplog.records if m.getMessage().startswith("completion stream:")]):
+        assert time.time() < deadline, "no log line for the request"
+        time.sleep(0.05)
     assert f"(cached {r['matched_tokens']} from {r['source']}: {r['reason']})" in lines[-1]
