@@ -540,6 +540,7 @@ class Engine:
         self.counters["errors"] += 1
         for slot in self._rows:
             if slot is not None:
+                self.counters["finished_error"] += 1
                 slot.handle.finish_reason = "error"  # the server reads it (500, not a 200 with no reason)
                 slot.handle._emit(Event(None, "", "error"))
         self._rows = [None] * self.slots
@@ -556,6 +557,7 @@ class Engine:
                 self._running = False
                 waiting, self._waiting = list(self._waiting), deque()
             for h in waiting:
+                self.counters["finished_error"] += 1
                 h.finish_reason = "error"
                 h._emit(Event(None, "", "error"))
 
@@ -588,6 +590,7 @@ class Engine:
             except Exception:
                 log.exception("admission failed")
                 self.counters["errors"] += 1
+                self.counters["finished_error"] += 1
                 handle.finish_reason = "error"  # as in _fail_all: the handle must say how it ended
                 handle._emit(Event(None, "", "error"))
         with self._wake:

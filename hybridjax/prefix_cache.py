@@ -21,12 +21,17 @@ Thread-safe: the engine thread and the HTTP threads may call it concurrently.
 Persistence (`save` / `load`): one file per snapshot and one file of the pages they name (each
 page once), each with a SHA-256 checksum of its contents, written owner-only; a file that fails
 its checksum, belongs to another model or is not ours is skipped with a warning, and `save`
-only deletes files this store wrote or loaded.
+only deletes files this store wrote or loaded. A snapshot names its pages by content (the
+SHA-256 of each page's K and V, `page_digests`), recomputed from the page data at load: a
+snapshot whose pages are not all in the pages file (a save cut short between the two writes,
+another server's pages file) is skipped with a warning, never loaded with other pages. One
+server per directory: `DirectoryLock` (flock, released by the kernel when the process dies).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import io
 import logging
@@ -51,7 +56,8 @@ KINDS = ("prompt", "response", "history", "checkpoint")
 SUPERSEDABLE = ("prompt", "response")
 FILE_SUFFIX = ".snapshot"
 PAGES_SUFFIX = ".pages"
-FORMAT_VERSION = 2
+TMP_SUFFIX = ".tmp"
+FORMAT_VERSION = 3  # 3: snapshots name their pages by content digest (2: by position in the pages file)
 MAGIC = b"HJXSNAP2"  # then 32 bytes of SHA-256 over the rest, then a pickle
 
 
@@ -291,7 +297,9 @@ class SnapshotStore:
     def save(self, directory: str | Path, read_pages: Callable | None = None) -> int:
         """Write every snapshot to `directory` (one file each, plus one file of the pages they
         name; written then renamed, owner-only). `read_pages(ids) -> (ks, vs)` reads pages from
-        the device (numpy, tuples over attention layers) when snapshots name pages."""
+        the device (numpy, tuples over attention layers) when snapshots name pages. Each snapshot
+        names its pages by content digest, so a save cut short anywhere leaves no snapshot that
+        would load with pages it was not saved with."""
         d = Path(directory)
         d.mkdir(mode=0o700, parents=True, exist_ok=True)
         snaps = self.snapshots()
@@ -299,20 +307,22 @@ class SnapshotStore:
         if page_ids and read_pages is None:
             raise ValueError("these snapshots name KV pages: save needs read_pages")
         written = set()
+        digest_of: dict[int, bytes] = {}
         if page_ids:
             ks, vs = read_pages(page_ids)
+            ks, vs = tuple(np.asarray(k) for k in ks), tuple(np.asarray(v) for v in vs)
+            digest_of = dict(zip(page_ids, page_digests(ks, vs)))
             name = f"{self.model_id}{PAGES_SUFFIX}"
-            _write_file(d / name, {"version": FORMAT_VERSION, "model_id": self.model_id, "ids": page_ids,
-                                   "k": tuple(np.asarray(k) for k in ks), "v": tuple(np.asarray(v) for v in vs)})
+            _write_file(d / name, {"version": FORMAT_VERSION, "model_id": self.model_id,
+                                   "digests": [digest_of[p] for p in page_ids], "k": ks, "v": vs})
             written.add(name)
-        index = {p: i for i, p in enumerate(page_ids)}
         for snap in snaps:
             name = hashlib.sha256(repr((self.model_id, snap.namespace, snap.tokens)).encode()).hexdigest()[:32] + FILE_SUFFIX
             _write_file(d / name, {
                 "version": FORMAT_VERSION, "model_id": self.model_id, "namespace": snap.namespace,
                 "kind": snap.kind, "tokens": np.asarray(snap.tokens, np.int32),
                 "cache": jax.tree_util.tree_map(np.asarray, snap.cache), "logits": np.asarray(snap.logits),
-                "pages": [index[p] for p in snap.pages],
+                "pages": [digest_of[p] for p in snap.pages],
             })
             written.add(name)
         for stale in self._files - written:  # ours, evicted since: never another model's files
@@ -323,11 +333,15 @@ class SnapshotStore:
         return len(snaps)
 
     def load(self, directory: str | Path, write_pages: Callable | None = None) -> int:
-        """Load snapshots saved by `save` for this model; skip (with a warning) anything else.
-        `write_pages(ks, vs) -> ids` puts saved pages into the pool (each held once by the caller)."""
+        """Load snapshots saved by `save` for this model; skip (with a warning) anything else,
+        and any snapshot whose pages (by content digest) are not all in the pages file.
+        `write_pages(ks, vs) -> ids` puts saved pages into the pool (each held once by the caller).
+        Removes temporary files a save cut short left behind: call it with the directory locked
+        (`DirectoryLock`), so that no other server is saving there."""
         d = Path(directory)
         if not d.is_dir():
             return 0
+        remove_stale_temporaries(d)
         pages = self._load_pages(d / f"{self.model_id}{PAGES_SUFFIX}", write_pages)
         loaded = 0
         try:
@@ -336,10 +350,17 @@ class SnapshotStore:
                     continue
                 try:
                     p = _read_file(path)
+                    if p.get("model_id") == self.model_id and p.get("version") != FORMAT_VERSION:
+                        self._files.add(path.name)  # ours in an older format: the next save replaces it
                     if p.get("version") != FORMAT_VERSION or p.get("model_id") != self.model_id:
                         log.warning("prefix cache: %s belongs to another model or format; skipped", path.name)
                         continue
-                    ids = tuple(pages[i] for i in p["pages"]) if p["pages"] else ()
+                    ids = tuple(pages.get(digest) for digest in p["pages"])
+                    if None in ids:
+                        log.warning("prefix cache: %s names pages that are not in %s%s (saved apart: a save cut "
+                                    "short, or another server's); skipped", path.name, self.model_id, PAGES_SUFFIX)
+                        self._files.add(path.name)  # stale: the next save deletes it
+                        continue
                     cache = jax.tree_util.tree_map(jax.numpy.asarray, p["cache"])
                     # What survived before the restart survives it: no supersession while loading.
                     self.insert(p["tokens"].tolist(), cache, jax.numpy.asarray(p["logits"]), namespace=p["namespace"],
@@ -350,12 +371,13 @@ class SnapshotStore:
                     log.warning("prefix cache: %s is unreadable (%s); skipped", path.name, e)
         finally:
             if pages and self._pool is not None:
-                self._pool.release(pages)  # the snapshots hold what they use; the rest is free again
+                self._pool.release(list(pages.values()))  # the snapshots hold what they use; the rest is free again
         return loaded
 
-    def _load_pages(self, path: Path, write_pages: Callable | None) -> list[int]:
+    def _load_pages(self, path: Path, write_pages: Callable | None) -> dict[bytes, int]:
+        """digest -> pool id of every page in the pages file, the digests computed from the data."""
         if not path.is_file():
-            return []
+            return {}
         try:
             p = _read_file(path)
             if p.get("version") != FORMAT_VERSION or p.get("model_id") != self.model_id:
@@ -363,20 +385,97 @@ class SnapshotStore:
             if write_pages is None or self._pool is None:
                 raise ValueError("no page pool to load pages into")
             self._files.add(path.name)
-            return list(write_pages(p["k"], p["v"]))
+            ks, vs = tuple(p["k"]), tuple(p["v"])
+            first: dict[bytes, int] = {}  # digest -> index of its first page (equal pages load once)
+            for i, digest in enumerate(page_digests(ks, vs)):
+                first.setdefault(digest, i)
+            keep = list(first.values())
+            ids = write_pages(tuple(k[keep] for k in ks), tuple(v[keep] for v in vs))
+            return dict(zip(first, (int(i) for i in ids)))
         except Exception as e:
             log.warning("prefix cache: %s is unreadable (%s); snapshots that name pages are skipped", path.name, e)
-            return []
+            return {}
+
+
+def page_digests(ks: Sequence[np.ndarray], vs: Sequence[np.ndarray]) -> list[bytes]:
+    """SHA-256 of each page [i] of `ks`, `vs` (tuples over attention layers of [n, S, Hkv, Dh]):
+    its K and V in every layer, with their dtypes and shapes. A snapshot names its pages by these."""
+    out = []
+    for i in range(len(ks[0]) if len(ks) else 0):
+        h = hashlib.sha256()
+        for a in (*ks, *vs):
+            page = np.ascontiguousarray(a[i])
+            h.update(f"{page.dtype.str}{page.shape}".encode())
+            h.update(page.data)
+        out.append(h.digest())
+    return out
+
+
+def remove_stale_temporaries(directory: Path) -> int:
+    """Delete the temporary files (`*.snapshot.tmp`, `*.pages.tmp`) a save cut short left."""
+    n = 0
+    for suffix in (FILE_SUFFIX, PAGES_SUFFIX):
+        for path in directory.glob("*" + suffix + TMP_SUFFIX):
+            if path.is_file() and not path.is_symlink():
+                path.unlink(missing_ok=True)
+                n += 1
+    if n:
+        log.info("prefix cache: removed %d temporary files a cut-short save left in %s", n, directory)
+    return n
+
+
+class DirectoryInUse(OSError):
+    pass
+
+
+class DirectoryLock:
+    """An exclusive lock on a prefix-cache directory (flock on the directory itself, so a
+    read-only directory can be locked too) for one server's life: a second server on the same
+    directory gets `DirectoryInUse`. The kernel drops it when the process dies, so a server
+    killed with -9 leaves no stale lock."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        self._fd: int | None = None
+        self.acquire()
+
+    def acquire(self) -> None:
+        if self._fd is not None:
+            return
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise DirectoryInUse(f"the prefix cache directory {self.directory} is in use by another hybridjax "
+                                 "server (one server per directory)") from None
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # at interpreter exit `os` may be gone; the kernel drops the lock anyway
+            pass
 
 
 def _write_file(path: Path, payload: dict) -> None:
     """MAGIC + sha256(body) + body, written to a temporary file (owner-only) then renamed."""
     body = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(path.name + TMP_SUFFIX)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(MAGIC + hashlib.sha256(body).digest() + body)
-    tmp.replace(path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(MAGIC + hashlib.sha256(body).digest() + body)
+        tmp.replace(path)
+    except BaseException:  # a full disk, say: leave no temporary file behind
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _read_file(path: Path) -> dict:

@@ -5,6 +5,7 @@ shared between them; each has its own engine, store and port."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import json
 import socket
 import threading
@@ -18,6 +19,7 @@ import uvicorn
 from hybridjax.default_model import TINY_NAME, tiny_test_model
 from hybridjax.server import ServerConfig, create_app
 from hybridjax.server.app import build_engine
+from hybridjax.server.connections import uvicorn_options
 
 MODEL = TINY_NAME
 
@@ -36,11 +38,13 @@ class RunningServer:
         sc = ServerConfig(**kw)
         self.engine, self.store = build_engine(sc, cfg, params, tokenizer or tok, name)
         app = create_app(self.engine, name, api_key=sc.api_key, api_keys=sc.api_keys, cache_dir=sc.cache_dir,
-                         warmup=sc.warmup, max_body_bytes=sc.max_body_bytes)
+                         warmup=sc.warmup, max_body_bytes=sc.max_body_bytes, body_timeout_s=sc.body_timeout_s)
         api_key = sc.api_key or (sc.api_keys[0] if sc.api_keys else None)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        # The protocol and bounds `serve` runs with (hybridjax.server.connections).
+        options = uvicorn_options(dataclasses.replace(sc, host="127.0.0.1", port=self.port))
+        self.server = uvicorn.Server(uvicorn.Config(app, **options, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.time() + 60

@@ -138,8 +138,10 @@ def test_seed_minus_one_means_random(server):
 
 
 def test_malformed_json_is_a_400(server):
-    deep = b'{"model": "x", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    deep = b'{"model": "x", "prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
     assert "nested too deeply" in is_openai_error(raw_post(server, "/v1/completions", deep), 400)["message"]
+    deeper = b'{"model": "x", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # more values than any prompt
+    assert "JSON values" in is_openai_error(raw_post(server, "/v1/completions", deeper), 413)["message"]
     huge = b'{"model": "%s", "prompt": "x", "max_tokens": %s}' % (MODEL.encode(), b"9" * 5000)
     is_openai_error(raw_post(server, "/v1/completions", huge), 400)
     is_openai_error(raw_post(server, "/v1/completions", b"\xff\xfe{"), 400)

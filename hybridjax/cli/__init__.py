@@ -285,7 +285,8 @@ def cmd_serve(args) -> int:
         prefill_chunk=args.prefill_chunk, warmup=not args.no_warmup,
         api_keys=read_api_keys(args.api_key_file) if args.api_key_file else (),
         max_body_bytes=int(args.max_body_mb * 2**20), speculative_tokens=args.speculative_tokens,
-        speculative_adaptive=args.speculative_adaptive,
+        speculative_adaptive=args.speculative_adaptive, header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout, keep_alive_s=args.keep_alive, max_connections=args.max_connections,
     )
     multi = (args.num_processes or 1) > 1
     if multi and not args.mesh:
@@ -296,6 +297,10 @@ def cmd_serve(args) -> int:
     if multi and args.speculative_tokens:
         # The speculative step is not among the steps followers replay (hybridjax.multihost).
         raise CLIError("--speculative-tokens is not supported across processes")
+    if args.prefix_cache_dir and not args.no_prefix_cache:
+        from hybridjax.prefix_cache import DirectoryLock
+
+        DirectoryLock(args.prefix_cache_dir).release()  # in use by another server: say so before loading the model
     init_distributed(args)
     use_compile_cache(args.compile_cache_dir, not args.no_compile_cache)
     import logging
@@ -362,6 +367,14 @@ def _add_serve(sub) -> None:
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
     p.add_argument("--api-key-file", help="accept every key in this file (one per line); each key has its own cache")
     p.add_argument("--max-body-mb", type=_positive_float, default=8.0, help="largest request body in MB (413 above)")
+    p.add_argument("--header-timeout", type=_positive_float, default=10.0,
+                   help="seconds a connection has to send a request's headers (then it is closed)")
+    p.add_argument("--body-timeout", type=_positive_float, default=60.0,
+                   help="seconds a request's body has to arrive (408 and closed after)")
+    p.add_argument("--keep-alive", type=_positive_float, default=5.0,
+                   help="seconds an idle kept-alive connection stays open")
+    p.add_argument("--max-connections", type=int_at_least(1), default=1000,
+                   help="open connections at most; one more is answered 503 (kept below the open-file limit)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help=DTYPE_HELP)
     p.add_argument("--pack-for-decode", action="store_true", help=PACK_HELP)
     p.add_argument("--page-size", type=_power_of_two, default=64, help="tokens per KV page")

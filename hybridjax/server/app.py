@@ -9,6 +9,14 @@ Every check runs before a stream starts (a bad value is a 400, never a 200 and a
 Rendering and tokenizing run in a worker thread, after a length bound computed from the
 characters alone, so a huge prompt neither blocks the event loop nor gets tokenized.
 A client that goes away cancels its request, streaming or not.
+
+Heavy work runs in lanes of its own (hybridjax.server.lanes): large bodies are parsed, and
+prompts scored for echo + logprobs, off the event loop and off the tokenizing threads, each lane
+bounded (429 past it), so a burst of one kind cannot hold up the others. A body must arrive
+within `body_timeout_s` (408, connection closed); slow or silent connections and the number of
+open connections are bounded in the HTTP protocol itself (hybridjax.server.connections).
+With a cache directory the app holds its lock (prefix_cache.DirectoryLock) from creation until
+it has saved at shutdown.
 """
 
 from __future__ import annotations
@@ -28,11 +36,13 @@ import jax
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 
 from hybridjax.engine import Engine, GenerationRequest, QueueFull, RequestHandle
 from hybridjax.generate import prompt_logprobs, sampling_params
 from hybridjax.pages import page_bytes
-from hybridjax.prefix_cache import SnapshotStore, history_boundary, model_identity
+from hybridjax.prefix_cache import DirectoryLock, SnapshotStore, history_boundary, model_identity
+from hybridjax.server import lanes
 from hybridjax.server import openai_format as fmt
 from hybridjax.server.chat_reuse import needs_prefill, next_turn_prefix
 from hybridjax.server.metrics import render_metrics
@@ -41,6 +51,7 @@ from hybridjax.server.schemas import ChatCompletionRequest, CompletionRequest, M
 log = logging.getLogger("hybridjax.server")
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
+DEFAULT_BODY_TIMEOUT_S = 60.0
 # Template variables a client may not set through chat_template_kwargs (the server sets them).
 _RESERVED_TEMPLATE_KWARGS = {"messages", "add_generation_prompt", "tools", "documents",
                              "bos_token", "eos_token", "pad_token", "unk_token"}
@@ -70,17 +81,28 @@ class ServerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get a 413
     speculative_tokens: int = 0  # K drafts of the MTP head per decode step (0: plain decoding)
     speculative_adaptive: bool = False  # plain steps while drafting does not pay (engine._SpecPolicy)
+    # Slow and silent clients (hybridjax.server.connections): seconds to send a request's headers,
+    # its body, and to send the next request on a kept-alive connection; open connections at most.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    keep_alive_s: float = 5.0
+    max_connections: int = 1000
 
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str = "invalid_request_error"):
+                 type_: str = "invalid_request_error", headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+        self.headers = headers
 
 
-def error_response(status: int, message: str, param=None, code=None, type_="invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status)
+def error_response(status: int, message: str, param=None, code=None, type_="invalid_request_error",
+                   headers=None) -> JSONResponse:
+    # A message may quote the client's text: lone surrogates are escaped so that it can be encoded.
+    param = lanes.printable(param) if isinstance(param, str) else param
+    return JSONResponse({"error": {"message": lanes.printable(message), "type": type_, "param": param, "code": code}},
+                        status_code=status, headers=headers)
 
 
 def build_engine(sc: ServerConfig, cfg, params, tokenizer, name: str, calls=None):
@@ -125,6 +147,8 @@ class _CatchAll:
 
         try:
             await self.app(scope, receive, tracking_send)
+        except ClientDisconnect:  # gone before its whole body came: nobody to answer
+            log.info("%s %s: the client disconnected before sending its whole body", scope["method"], scope["path"])
         except Exception:
             log.exception("internal error")
             if started:
@@ -139,32 +163,48 @@ def _key_namespaces(api_key: str | None, api_keys) -> dict[str, str]:
 
 def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, api_keys=(),
                cache_dir: str | None = None, warmup: bool = True,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
     """The app; its start-up loads persisted snapshots and starts the engine, which compiles every
     shape first (`warmup`) while /health answers 503 "loading". Each API key (`api_key`,
-    `api_keys`) is its own cache namespace."""
+    `api_keys`) is its own cache namespace. With `cache_dir` (and a store) it locks the directory
+    now (`DirectoryInUse` if another server has it) and releases it after the shutdown save."""
     store, tok = engine.store, engine.tokenizer
     created = int(time.time())
     keys = _key_namespaces(api_key, api_keys)
+    lock = DirectoryLock(cache_dir) if store is not None and cache_dir else None
+    # Each lane holds as many requests as the engine's queue: past that, a 429 at once.
+    scoring = lanes.Lane("score prompts", 1, engine.max_queue)
+    parsing = lanes.Lane("parse bodies", 1, engine.max_queue)
 
     @asynccontextmanager
     async def lifespan(app):
-        if store is not None and cache_dir:
-            n = engine.load_snapshots(cache_dir)
-            log.info("prefix cache: loaded %d snapshots from %s", n, cache_dir)
+        if lock is not None:
+            lock.acquire()  # again, after an earlier shutdown released it
+            try:
+                n = engine.load_snapshots(cache_dir)
+                log.info("prefix cache: loaded %d snapshots from %s", n, cache_dir)
+            except Exception as e:  # an unreadable directory: serve without its snapshots
+                log.warning("prefix cache: could not load snapshots from %s: %s", cache_dir, e)
         engine.start(warmup=warmup, progress=warmup)
-        yield
-        engine.stop()
-        if store is not None and cache_dir:
-            n = engine.save_snapshots(cache_dir)
-            log.info("prefix cache: saved %d snapshots to %s", n, cache_dir)
+        try:
+            yield
+        finally:
+            engine.stop()
+            if lock is not None:
+                try:
+                    n = engine.save_snapshots(cache_dir)
+                    log.info("prefix cache: saved %d snapshots to %s", n, cache_dir)
+                except Exception as e:  # a read-only directory, a full disk: one line, no traceback
+                    log.error("prefix cache: could not save snapshots to %s: %s", cache_dir, e)
+                finally:
+                    lock.release()
 
     app = FastAPI(title="hybridjax", lifespan=lifespan)
     app.add_middleware(_CatchAll)
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
-        return error_response(e.status, e.message, e.param, e.code, e.type)
+        return error_response(e.status, e.message, e.param, e.code, e.type, e.headers)
 
     def check_auth(request: Request) -> str:
         """The caller's namespace part from its key ('' with auth off)."""
@@ -184,27 +224,36 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
         if length.isdigit() and int(length) > max_body_bytes:
             raise too_big
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_body_bytes:
-                raise too_big
-            chunks.append(chunk)
+        try:
+            async with asyncio.timeout(body_timeout_s):  # a trickling client is dropped, not held
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > max_body_bytes:
+                        raise too_big
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {body_timeout_s:g} s",
+                           code="request_timeout", headers={"connection": "close"}) from None
         return b"".join(chunks)
+
+    # A body's JSON values bound its parsing time (json.loads holds the GIL: no thread helps):
+    # the largest honest body is a token-id prompt of the whole context.
+    max_values = 4 * engine.max_len + 65536
 
     async def parse(request: Request, model_cls):
         raw = await read_body(request)
         try:
-            body = json.loads(raw)
-        except RecursionError:
-            raise APIError(400, "invalid JSON body: nested too deeply") from None
-        except ValueError as e:  # also integer literals over Python's 4300-digit limit, bad UTF-8
-            raise APIError(400, f"invalid JSON body: {e}") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "the request body must be a JSON object")
-        bad = _unencodable_string(body)
-        if bad is not None:
-            raise APIError(400, f"invalid parameter '{bad}': the string is not valid Unicode (a lone surrogate)",
-                           param=bad)
+            if len(raw) <= lanes.INLINE_BODY_BYTES:
+                body = lanes.decode_body(raw)
+            else:
+                if raw.count(b",") + raw.count(b"[") + raw.count(b"{") > max_values:
+                    raise APIError(413, f"the request body has more than {max_values} JSON values",
+                                   code="request_too_large")
+                body = await parsing.run(lanes.decode_body, raw)
+        except lanes.BodyError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        except lanes.LaneFull as e:
+            raise APIError(429, str(e), code="queue_full", type_="rate_limit_error") from None
         try:
             req = model_cls.model_validate(body)
         except ValidationError as e:
@@ -486,7 +535,10 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
                            "across processes", param="echo")
         if echo and req.logprobs is not None:  # the prompt's own tokens, scored as generated ones are
             sp = sampling_params(1, temperature=req.temperature, repetition_penalty=req.repetition_penalty)
-            scores = await asyncio.to_thread(prompt_logprobs, engine.params, prompt_ids, engine.cfg, sp, req.logprobs)
+            try:  # in its own lane: a burst of these waits behind itself, not in front of others
+                scores = await scoring.run(prompt_logprobs, engine.params, prompt_ids, engine.cfg, sp, req.logprobs)
+            except lanes.LaneFull as e:
+                raise APIError(429, str(e), code="queue_full", type_="rate_limit_error") from None
             echo_lp = fmt.completion_logprobs(tok, [(prompt_ids[0], (None, None)), *zip(prompt_ids[1:], scores)])
         handles = submit(greqs)
         rid, now = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
@@ -573,27 +625,6 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
     return app
 
 
-def _unencodable_string(body) -> str | None:
-    """The path ('messages.0.content') of the first string or key that is not valid Unicode
-    (JSON lets a lone surrogate through; the tokenizer cannot encode it). Iterative: the body may
-    be as deep as the JSON parser allows."""
-    stack = [((), body)]
-    while stack:
-        path, v = stack.pop()
-        if isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError:
-                return ".".join(map(str, path)) or None
-        elif isinstance(v, dict):
-            for k, x in v.items():
-                stack.append((path + (k,), k))
-                stack.append((path + (k,), x))
-        elif isinstance(v, list):
-            stack.extend((path + (i,), x) for i, x in enumerate(v))
-    return None
-
-
 def _finish(reason: str | None) -> str | None:
     return {"cancelled": "stop", "error": "stop"}.get(reason, reason)
 
@@ -606,12 +637,14 @@ def serve(sc: ServerConfig, cfg, params, tokenizer, name: str, calls=None) -> in
     """Run the server for a loaded model until interrupted (uvicorn); `calls`: see Engine."""
     import uvicorn
 
+    from hybridjax.server.connections import uvicorn_options
+
     engine, _ = build_engine(sc, cfg, params, tokenizer, name, calls)
     if sc.cache_dir:
         Path(sc.cache_dir).mkdir(parents=True, exist_ok=True)
     app = create_app(engine, name, api_key=sc.api_key, api_keys=sc.api_keys,
                      cache_dir=sc.cache_dir if sc.prefix_cache else None, warmup=sc.warmup,
-                     max_body_bytes=sc.max_body_bytes)
+                     max_body_bytes=sc.max_body_bytes, body_timeout_s=sc.body_timeout_s)
     log.info("serving %s on http://%s:%d", name, sc.host, sc.port)
-    uvicorn.run(app, host=sc.host, port=sc.port, log_level="info", timeout_graceful_shutdown=5)
+    uvicorn.run(app, **uvicorn_options(sc), log_level="info", timeout_graceful_shutdown=5)
     return 0

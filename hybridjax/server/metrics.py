@@ -31,7 +31,7 @@ class _Collector:
             c.add_metric([], e.counters.get(name, 0))
             yield c
         fin = CounterMetricFamily("hybridjax_requests_finished", "finished requests", labels=["reason"])
-        for reason in ("stop", "length", "cancelled"):
+        for reason in ("stop", "length", "cancelled", "error"):
             fin.add_metric([reason], e.counters.get(f"finished_{reason}", 0))
         yield fin
         for name, value, help_ in (("queue_depth", e.queue_depth, "requests waiting for a slot"),

@@ -18,6 +18,8 @@ SEED_LIMIT = 2**32  # the sampler's key is a uint32; -1 means "random"
 TOP_K_LIMIT = 2**31  # an int32 on the device
 MAX_LOGPROBS = 20  # alternatives per token the engine computes at most
 MAX_N = 16
+TOP_P_FLOOR = 1.1754943508222875e-38  # float32's smallest normal number
+TEMPERATURE_FLOOR = 1e-6  # the least temperature hybridjax.sampling.filter_logits divides by
 
 # Accepted and ignored: they do not change what is generated.
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
@@ -129,6 +131,21 @@ class SamplingFields(_Strict):
     n: int = Field(default=1, ge=1, le=MAX_N)
     cache_salt: str | None = Field(default=None, max_length=256)
     response_format: ResponseFormat | None = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v):
+        """0 is greedy; the sampler divides by at least TEMPERATURE_FLOOR, and the log-probabilities
+        it reports must use the same (1e-40, a float32 subnormal, made them NaN: a 500)."""
+        return max(v, TEMPERATURE_FLOOR) if v > 0 else v
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, v):
+        """The sampler holds top_p in float32, where a tiny value (1e-300) rounds to 0, which it
+        refuses. Any top_p at or below the top token's probability (>= 1 / vocab) keeps the top
+        token alone, so raising a tiny one to float32's smallest normal number changes nothing."""
+        return max(v, TOP_P_FLOOR)
 
     @field_validator("stop")
     @classmethod
