@@ -674,7 +674,7 @@ class Engine:
                                seen, np.int32(req.max_tokens), stops, np.bool_(req.logprobs is not None))
 
     def _alloc(self, n: int, keep=None) -> list[int] | None:
-        """n fresh pages, evicting least-recently-used snapshots (never `keep`) if the pool is short."""
+        """n fresh pages, evicting snapshots by the store's policy (never `keep`) if the pool is short."""
         if n > self.pool.free and self.store is not None:
             held = keep.pages if keep is not None else ()
             self.pool.retain(held)  # the snapshot being restored must survive the eviction
