@@ -46,6 +46,7 @@ from hybridjax.generate import length_bucket
 from hybridjax.pages import DEFAULT_PAGE_SIZE, PagePool, PoolExhausted, page_bytes, pages_for
 from hybridjax.params import Params
 from hybridjax.prefix_cache import SnapshotStore, checkpoint_positions
+from hybridjax.prefix_report import CACHE_OFF, CacheReport
 from hybridjax.sampling import sampling_params
 from hybridjax.tokenizer import StreamDecoder, Tokenizer
 
@@ -129,6 +130,7 @@ class RequestHandle:
         self.request = request
         self.prompt_tokens = len(request.prompt_ids)
         self.cached_tokens = 0
+        self.cache_report: CacheReport = CACHE_OFF  # set at admission from the store's lookup
         self.token_ids: list[int] = []
         self.logprobs: list[tuple] = []  # with request.logprobs: (logprob, top alternatives) per token
         self.text = ""
@@ -329,6 +331,7 @@ class Engine:
         self.prefill_buckets = [r for r in _buckets(slots, prefill_rows) if prefill_chunk // r >= 16]
         if store is not None:
             store.use_pages(self.pool, self.page_bytes)
+            store.checkpoint_interval = checkpoint_interval  # the cache report names the grid
         self.counters: Counter = Counter()
         self._waiting: deque[RequestHandle] = deque()
         self._background: deque[RequestHandle] = deque()  # prefill-only work for idle time
@@ -636,6 +639,10 @@ class Engine:
         self._table[row, : len(pages)] = pages
         self._state = self._setup(self._state, row, snap.cache if snap else None, snap.logits if snap else None, start, req)
         handle.cached_tokens = start
+        if hit is not None and hit.report is not None:
+            handle.cache_report = hit.report
+        if req.max_tokens:  # a request someone sent (not a background prefill): counted by its report
+            self.counters[f"cache_reason_{handle.cache_report.label}"] += 1
         extra = [p for p in (req.history_len,) if p]
         with self._wake:
             waiting = [h.request for h in self._waiting]
@@ -667,7 +674,7 @@ class Engine:
                                seen, np.int32(req.max_tokens), stops, np.bool_(req.logprobs is not None))
 
     def _alloc(self, n: int, keep=None) -> list[int] | None:
-        """n fresh pages, evicting least-recently-used snapshots (never `keep`) if the pool is short."""
+        """n fresh pages, evicting snapshots by the store's policy (never `keep`) if the pool is short."""
         if n > self.pool.free and self.store is not None:
             held = keep.pages if keep is not None else ()
             self.pool.retain(held)  # the snapshot being restored must survive the eviction

@@ -10,8 +10,9 @@ the longest stored snapshot whose tokens are a prefix of the request's, within t
 namespace.
 
 Bounds: bytes (a buffer or page held by several snapshots is counted once), entry count and age
-(TTL), with least-recently-used eviction; the engine also evicts (LRU) when its page pool runs
-short. Inserting a prompt snapshot drops the prompt and response snapshots it strictly extends
+(TTL); eviction by saved prefill per byte aged by recency ("gdsf", the default) or
+least-recently-used ("lru"), see hybridjax.eviction; the engine also evicts (same policy) when its
+page pool runs short. Every lookup also explains itself (`Hit.report`, hybridjax.prefix_report). Inserting a prompt snapshot drops the prompt and response snapshots it strictly extends
 when no other request used them and no other entry branches from them: the new prompt proves the
 conversation moved past them (a chat keeps its newest turn, branch points survive). A response
 snapshot supersedes nothing, since the next turn may not re-send the response token for token.
@@ -45,7 +46,9 @@ from typing import Callable, Iterable, Sequence
 import jax
 import numpy as np
 
+from hybridjax.eviction import POLICIES, priority, victim
 from hybridjax.pages import PagePool
+from hybridjax.prefix_report import CacheReport, EvictionRecord, as_array, explain, tenant
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +72,15 @@ class Snapshot:
     last_used: float = 0.0
     hits: int = 0
     pages: tuple[int, ...] = ()  # KV page ids covering `tokens`, in order (paged engine)
+    priority: float = 0.0  # eviction order under the "gdsf" policy (hybridjax.eviction)
+    _array: np.ndarray | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def array(self) -> np.ndarray:
+        """`tokens` as int32, made once (the cache report compares prefixes with numpy)."""
+        if self._array is None:
+            self._array = as_array(self.tokens)
+        return self._array
 
     def leaves(self) -> list:
         return jax.tree_util.tree_leaves(self.cache) + [self.logits]
@@ -79,6 +91,7 @@ class Hit:
     snapshot: Snapshot | None
     reused: int  # tokens covered by the snapshot (0 on a miss)
     request_len: int
+    report: CacheReport | None = None  # where the prefix came from and why it was not longer
 
     @property
     def exact(self) -> bool:
@@ -92,8 +105,14 @@ def _leaf_bytes(x) -> int:
 
 class SnapshotStore:
     def __init__(self, model_id: str, *, max_bytes: int = 1 << 30, max_entries: int = 256, ttl_s: float = 3600.0,
-                 clock=time.monotonic):
+                 clock=time.monotonic, policy: str = "gdsf"):
+        if policy not in POLICIES:
+            raise ValueError(f"eviction policy must be one of {POLICIES}, got {policy!r}")
         self.model_id = model_id
+        self.policy = policy
+        self._age = 0.0  # GDSF's clock: the priority of the last snapshot evicted
+        self.checkpoint_interval = 0  # the engine's periodic checkpoints (for the cache report)
+        self._evicted = EvictionRecord()
         self.max_bytes, self.max_entries, self.ttl_s = max_bytes, max_entries, ttl_s
         self.clock = clock
         self._entries: OrderedDict[tuple[str, tuple[int, ...]], Snapshot] = OrderedDict()  # LRU order
@@ -158,19 +177,30 @@ class SnapshotStore:
                     n = len(snap.tokens)
                     if n <= len(toks) and (best is None or n > len(best.tokens)) and toks[:n] == snap.tokens:
                         best = snap
+                report = self._explain(toks, ns, best, by_ns)
                 if best is None:
                     self.counters["misses_empty_namespace" if ns not in by_ns else "misses_no_prefix"] += 1
-                    hits.append(Hit(None, 0, len(toks)))
+                    hits.append(Hit(None, 0, len(toks), report))
                     continue
                 best.hits += 1
                 best.last_used = self.clock()
+                best.priority = priority(best, self._age, self._page_bytes)
                 self._entries.move_to_end((ns, best.tokens))
                 self.counters["hits"] += 1
                 self.counters["tokens_reused"] += len(best.tokens)
                 if len(best.tokens) == len(toks):
                     self.counters["exact_hits"] += 1
-                hits.append(Hit(best, len(best.tokens), len(toks)))
+                hits.append(Hit(best, len(best.tokens), len(toks), report))
             return hits
+
+    def _explain(self, toks: tuple, ns: str, best: Snapshot | None, by_ns: dict) -> CacheReport:
+        """The cache report of one lookup (hybridjax.prefix_report): where its prefix came from,
+        why it was not longer. Cost: one prefix comparison per stored snapshot of its tenant."""
+        request = as_array(toks)
+        others = [s.array for n, snaps in by_ns.items() if n != ns and tenant(n) == tenant(ns) for s in snaps]
+        return explain(request, len(best.tokens) if best else 0, best.kind if best else "none",
+                       [s.array for s in by_ns.get(ns, ())], others, self._evicted.longest_prefix(ns, request),
+                       self.checkpoint_interval)
 
     # --- insertion and eviction -------------------------------------------------------
     def insert(self, tokens: Sequence[int], cache, logits: jax.Array, *, namespace: str = "",
@@ -192,6 +222,8 @@ class SnapshotStore:
                 self._entries.move_to_end(key)
                 return old
             self._entries[key] = snap
+            snap.priority = priority(snap, self._age, self._page_bytes)
+            self._evicted.discard(namespace, snap.array)
             self._ref(snap, +1)
             self.counters["inserts"] += 1
             if kind == "prompt" and supersede:
@@ -218,6 +250,9 @@ class SnapshotStore:
         snap = self._entries.pop(key)
         self._ref(snap, -1)
         self.counters[f"evictions_{reason}"] += 1
+        if reason not in ("superseded", "cleared"):  # gone though nothing covers it: a later miss says so
+            self._evicted.add(snap.namespace, snap.array)
+            self._age = max(self._age, snap.priority)
 
     def _expire(self) -> None:
         if self.ttl_s is None:
@@ -234,15 +269,15 @@ class SnapshotStore:
     def _enforce_bounds(self) -> None:
         self._expire()
         while len(self._entries) > self.max_entries:
-            self._remove(next(iter(self._entries)), "entries")
+            self._remove(victim(self._entries, self.policy), "entries")
         while self._entries and self.nbytes > self.max_bytes:
-            self._remove(next(iter(self._entries)), "bytes")
+            self._remove(victim(self._entries, self.policy), "bytes")
 
     def evict_until(self, enough: Callable[[], bool], reason: str = "pages") -> bool:
-        """Evict least-recently-used snapshots until `enough()` holds; False if it never does."""
+        """Evict snapshots (by the store's policy) until `enough()` holds; False if it never does."""
         with self._lock:
             while not enough() and self._entries:
-                self._remove(next(iter(self._entries)), reason)
+                self._remove(victim(self._entries, self.policy), reason)
             return enough()
 
     def clear(self) -> None:

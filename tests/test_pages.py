@@ -165,8 +165,8 @@ def test_snapshots_of_one_conversation_share_their_pages(model):
 
 
 def test_a_full_pool_evicts_snapshots_instead_of_failing(model):
-    """Snapshots fill the pool (128 pages): requests keep being served, least-recently-used
-    snapshots go to make room, and no page leaks."""
+    """Snapshots fill the pool (128 pages): requests keep being served, snapshots go
+    (by the store's eviction policy) to make room, and no page leaks."""
     eng = _engine(model, store=SnapshotStore("full"), checkpoint_interval=16).start()
     try:
         for i in range(200):

@@ -39,7 +39,9 @@ OTHERS = [ids(f"{c} other server's prompt") for c in "VWXYZ"]
 
 def _engine(**kw) -> Engine:
     cfg, params, tok = tiny_test_model()
-    return Engine(cfg, params, tok, store=SnapshotStore(MODEL_ID), checkpoint_interval=16, **{**ENGINE_KW, **kw})
+    # LRU: the tests evict the oldest conversation (prompt 0's) by evicting until it is gone.
+    return Engine(cfg, params, tok, store=SnapshotStore(MODEL_ID, policy="lru"), checkpoint_interval=16,
+                  **{**ENGINE_KW, **kw})
 
 
 def _serve(eng: Engine, prompts) -> None:

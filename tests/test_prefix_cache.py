@@ -158,7 +158,7 @@ def test_shared_buffers_are_counted_once(cfg):
 def test_byte_budget_evicts_least_recently_used(cfg):
     one = nbytes(make_cache(cfg)) + VOCAB * 4
     clock = FakeClock()
-    s = SnapshotStore("m", max_bytes=2 * one + 16, clock=clock)
+    s = SnapshotStore("m", max_bytes=2 * one + 16, clock=clock, policy="lru")
     s.insert([1], make_cache(cfg), logits(), kind="checkpoint")
     s.insert([2], make_cache(cfg), logits(), kind="checkpoint")
     assert s.nbytes == 2 * one
@@ -182,7 +182,7 @@ def test_shared_buffers_do_not_count_against_the_budget_twice(cfg):
 
 
 def test_max_entries_evicts_least_recently_used():
-    s = SnapshotStore("m", max_entries=2)
+    s = SnapshotStore("m", max_entries=2, policy="lru")
     s.insert([1], tiny(), logits())
     s.insert([2], tiny(), logits())
     s.lookup([1])

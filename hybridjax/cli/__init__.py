@@ -280,7 +280,7 @@ def cmd_serve(args) -> int:
     sc = ServerConfig(
         host=args.host, port=args.port, slots=args.slots, max_len=args.max_len,
         max_queue=args.max_queue, prefix_cache=not args.no_prefix_cache, cache_mb=args.cache_mb,
-        cache_entries=args.cache_entries, cache_ttl_s=args.cache_ttl, checkpoint_interval=args.checkpoint_interval,
+        cache_entries=args.cache_entries, cache_eviction=args.cache_eviction, cache_ttl_s=args.cache_ttl, checkpoint_interval=args.checkpoint_interval,
         cache_dir=args.prefix_cache_dir, api_key=args.api_key, page_size=args.page_size, kv_pages=args.kv_pages, kv_mb=args.kv_mb,
         prefill_chunk=args.prefill_chunk, warmup=not args.no_warmup,
         api_keys=read_api_keys(args.api_key_file) if args.api_key_file else (),
@@ -357,6 +357,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the snapshot store off")
     p.add_argument("--cache-mb", type=_positive_float, default=1024.0, help="snapshot store budget in MB")
     p.add_argument("--cache-entries", type=int_at_least(0), default=256, help="snapshot store entry limit")
+    p.add_argument("--cache-eviction", choices=("gdsf", "lru"), default="gdsf",
+                   help="which snapshot goes first: the least prefill saved per byte, aged by recency (gdsf), "
+                        "or the least recently used (lru)")
     p.add_argument("--cache-ttl", type=_positive_float, default=3600.0, help="seconds a snapshot lives unused")
     p.add_argument("--checkpoint-interval", type=int_at_least(0), default=256,
                    help="snapshot every N prompt tokens of a long prefill (0 = off)")

@@ -67,6 +67,7 @@ class ServerConfig:
     prefix_cache: bool = True
     cache_mb: float = 1024.0
     cache_entries: int = 256
+    cache_eviction: str = "gdsf"  # or "lru" (hybridjax.eviction)
     cache_ttl_s: float = 3600.0
     checkpoint_interval: int = 256
     cache_dir: str | None = None
@@ -114,7 +115,7 @@ def build_engine(sc: ServerConfig, cfg, params, tokenizer, name: str, calls=None
         # A speculative engine's snapshots carry a hidden state more: their files are kept apart.
         ident = model_identity(name, cfg, params) + ("-mtp" if sc.speculative_tokens else "")
         store = SnapshotStore(ident, max_bytes=int(sc.cache_mb * 2**20),
-                              max_entries=sc.cache_entries, ttl_s=sc.cache_ttl_s)
+                              max_entries=sc.cache_entries, ttl_s=sc.cache_ttl_s, policy=sc.cache_eviction)
     num_pages = sc.kv_pages
     if num_pages is None and sc.kv_mb is not None:
         num_pages = max(1, int(sc.kv_mb * 2**20 // page_bytes(cfg, sc.page_size, params.embed.dtype,
@@ -322,7 +323,8 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
         h0, completion = handles[0], sum(len(h.token_ids) for h in handles)
         return {"prompt_tokens": h0.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": h0.prompt_tokens + completion,
-                "prompt_tokens_details": {"cached_tokens": h0.cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": h0.cached_tokens,
+                                          "prefix_cache": h0.cache_report.as_dict()}}
 
     def scored(h: RequestHandle) -> list[tuple[int, tuple]]:
         """(token, logprobs) of the tokens in the text (not the stop token)."""
@@ -337,8 +339,9 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
         # a reply of one token per choice has none (it was logged as thousands of tok/s).
         decoded = gen - len(handles)
         rate = f", {decoded / (now - first):.1f} tok/s" if first and decoded > 0 and now > first else ""
-        log.info("%s: prompt %d tokens (cached %d), generated %d, ttft %.3f s%s, %s", kind,
-                 handles[0].prompt_tokens, handles[0].cached_tokens, gen, ttft, rate,
+        report = handles[0].cache_report
+        log.info("%s: prompt %d tokens (cached %d from %s: %s), generated %d, ttft %.3f s%s, %s", kind,
+                 handles[0].prompt_tokens, handles[0].cached_tokens, report.source, report.reason, gen, ttft, rate,
                  ",".join(str(h.finish_reason) for h in handles))
 
     async def drain(request: Request, handles: list[RequestHandle]) -> float | None:

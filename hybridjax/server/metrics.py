@@ -5,6 +5,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from hybridjax.prefix_report import REASONS
+
 STORE_COUNTERS = {
     "lookups": "prefix-cache lookups",
     "hits": "lookups that found a cached prefix",
@@ -45,6 +47,7 @@ class _Collector:
             c = CounterMetricFamily(f"hybridjax_{name}", help_)
             c.add_metric([], e.counters.get(name, 0))
             yield c
+        yield _cache_reasons(e)
         if getattr(e, "speculative_tokens", 0):
             yield from _speculative(e)
         if e.store is None:
@@ -67,6 +70,15 @@ class _Collector:
             g = GaugeMetricFamily(f"hybridjax_prefix_cache_{name}", f"snapshot {name} held")
             g.add_metric([], value)
             yield g
+
+
+def _cache_reasons(e):
+    """Requests by their cache report's reason (hybridjax.prefix_report): why prefixes were not longer."""
+    c = CounterMetricFamily("hybridjax_prefix_cache_requests", "requests by the reason their cached prefix "
+                            "was not longer (see the cache report)", labels=["reason"])
+    for reason in REASONS:
+        c.add_metric([reason], e.counters.get(f"cache_reason_{reason}", 0))
+    return c
 
 
 def _speculative(e):

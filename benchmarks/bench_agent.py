@@ -1,0 +1,191 @@
+"""Coding-agent transcripts replayed through /v1/chat/completions with `tools`, cache on and defeated.
+
+    python benchmarks/bench_agent.py [--rounds 10] [--tool-tokens 250,320] [--traces 1] [--gap 0] [--json OUT]
+
+The server runs in this process (uvicorn in a thread, as tests/test_server.py does), on the embedded
+default model (float32, 8 layers, hidden 256, vocab 4096, context 4096), every shape compiled
+before the first request; the client (httpx, streaming) runs in the same process and mostly waits.
+
+A trace: a system prompt, tool definitions (read_file, run_tests), a task, then `--rounds` rounds of
+[assistant: reasoning + a read_file call] -> [tool: file text of --tool-tokens tokens]. The chat
+template is the model's ChatML with tools, Qwen3.5-style in that it drops an assistant's reasoning
+(`reasoning_content`) from the history. The assistant turns are sent as the client has them (a
+replay: the model's own answers, 8 tokens each, are discarded), so each request is the whole
+transcript so far and ends with the newest tool result.
+
+Per turn: prompt tokens, cached tokens, new tokens (prompt - the previous request's prompt), time to
+first token (first content or tool-call chunk), and the cold prefill time of the same prompt (the
+replay with the cache defeated: a new `cache_salt` per request). Over the trace: cached share against
+its bound (1 - new / prompt, summed over turns) and total time, cache on vs defeated. The turn's
+TTFT is set against the cold prefill of its new tokens, estimated as cold TTFT x new / prompt (the
+cold per-token rate at that context length).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import threading
+import time
+
+import httpx
+import uvicorn
+
+from hybridjax.default_model import DEFAULT_NAME, default_model
+from hybridjax.server import ServerConfig, create_app
+from hybridjax.server.app import build_engine
+from hybridjax.tokenizer import Tokenizer, chatml_template
+
+TOOLS = [
+    {"type": "function", "function": {"name": "read_file", "description": "Read a file of the repository.",
+                                      "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                                                     "required": ["path"]}}},
+    {"type": "function", "function": {"name": "run_tests", "description": "Run the test suite, return its output.",
+                                      "parameters": {"type": "object", "properties": {"filter": {"type": "string"}}}}},
+]
+SYSTEM = ("You are a coding agent working in a Python repository. Read the files you need with the tools, "
+          "think before each call, keep changes small, and run the tests before you finish.")
+
+
+def reasoning_dropping_template() -> str:
+    """ChatML with tools; an assistant's `reasoning_content` is rendered only in the last message,
+    so the history carries none (as Qwen3.5's template drops earlier thinking)."""
+    plain = chatml_template()
+    head = "{{- '<|im_start|>' + message['role'] + '\\n' + text }}"
+    assert head in plain
+    think = ("{{- '<|im_start|>' + message['role'] + '\\n' }}"
+             "{%- if message['role'] == 'assistant' and loop.last and message['reasoning_content'] is defined "
+             "and message['reasoning_content'] %}{{- '<think>\\n' + message['reasoning_content'] + '\\n</think>\\n\\n' }}"
+             "{%- endif %}{{- text }}")
+    return plain.replace(head, think)
+
+
+def file_text(rng: random.Random, tok, n_tokens: int) -> str:
+    """Python-looking text of about `n_tokens` tokens."""
+    lines, text = [], ""
+    while len(tok.encode(text)) < n_tokens:
+        k = rng.randint(0, 999)
+        lines.append(rng.choice([f"def handler_{k}(request, cache):", f"    value = cache.get('{k}') or {k}",
+                                 f"    return compute(value, {k % 7})", f"class Store{k}:", f"# see issue {k}",
+                                 f"    if value > {k}:", "        raise ValueError('bad value')", ""]))
+        text = "\n".join(lines)
+    return text
+
+
+def trace(seed: int, rounds: int, tool_tokens: tuple[int, int], tok) -> list[list[dict]]:
+    """The request messages of each round of one trace."""
+    rng = random.Random(seed)
+    messages = [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"Task {seed}: the cache tests fail after the last change; find out why "
+                                            "and fix it."}]
+    requests = []
+    for r in range(rounds):
+        path = f"src/module_{seed}_{r}.py"
+        messages.append({"role": "assistant", "content": "",
+                         "reasoning_content": f"The failure may come from {path}; I should read it before editing.",
+                         "tool_calls": [{"id": f"call_{r}", "type": "function",
+                                         "function": {"name": "read_file", "arguments": json.dumps({"path": path})}}]})
+        messages.append({"role": "tool", "tool_call_id": f"call_{r}",
+                         "content": file_text(rng, tok, rng.randint(*tool_tokens))})
+        requests.append([dict(m) for m in messages])
+    return requests
+
+
+def ask(url: str, messages: list[dict], salt: str) -> dict:
+    body = {"model": DEFAULT_NAME, "messages": messages, "tools": TOOLS, "max_tokens": 8, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, "cache_salt": salt}
+    t0 = time.perf_counter()
+    ttft, usage = None, None
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            for c in chunk.get("choices", []):
+                d = c.get("delta", {})
+                if ttft is None and (d.get("content") or d.get("tool_calls") or c.get("finish_reason")):
+                    ttft = time.perf_counter() - t0
+            usage = chunk.get("usage") or usage
+    return {"ttft": ttft, "total": time.perf_counter() - t0, "prompt": usage["prompt_tokens"],
+            "cached": usage["prompt_tokens_details"]["cached_tokens"],
+            "report": usage["prompt_tokens_details"].get("prefix_cache")}
+
+
+def replay(url: str, requests: list[list[dict]], salt: str | None, gap: float, engine) -> list[dict]:
+    """Each request after the previous answer, `gap` seconds later (the agent running its tool)."""
+    out = []
+    for i, messages in enumerate(requests):
+        background = engine.counters["background_prefills"]
+        out.append(ask(url, messages, salt if salt is not None else f"cold-{time.time_ns()}-{i}"))
+        time.sleep(gap)
+        out[-1]["background_prefills"] = engine.counters["background_prefills"] - background
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--tool-tokens", default="300,400", help="min,max tokens of each tool result")
+    ap.add_argument("--traces", type=int, default=1)
+    ap.add_argument("--gap", type=float, default=0.0,
+                    help="seconds between an answer and the next request (the tool running); not in the totals")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    tool_tokens = tuple(int(x) for x in args.tool_tokens.split(","))
+    with open("/proc/loadavg") as f:
+        print("load average at start:", f.read().split()[:3])
+    cfg, params, tok0 = default_model()
+    tok = Tokenizer(tok0.backend, reasoning_dropping_template(), tok0.special_tokens, tok0.eos_token_ids)
+    sc = ServerConfig(slots=1, max_len=cfg.max_position_embeddings, warmup=True)
+    engine, _ = build_engine(sc, cfg, params, tok, DEFAULT_NAME)
+    port = 18000 + random.randint(0, 999)
+    url = f"http://127.0.0.1:{port}"
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, DEFAULT_NAME, warmup=True), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    t0 = time.perf_counter()
+    thread.start()
+    while httpx.get(url + "/health").status_code != 200 if server.started else True:
+        time.sleep(0.5)
+    print(f"server ready (every shape compiled) in {time.perf_counter() - t0:.0f} s")
+    results = []
+    try:
+        for t in range(args.traces):
+            requests = trace(t, args.rounds, tool_tokens, tok)
+            warm = replay(url, requests, f"trace-{t}", args.gap, engine)
+            cold = replay(url, requests, None, args.gap, engine)
+            results.append({"warm": warm, "cold": cold})
+            print(f"\ntrace {t}: {args.rounds} rounds, gap {args.gap} s; idle-time next-turn prefills that ended "
+                  f"within a warm turn + its gap: {sum(w['background_prefills'] for w in warm)}")
+            print(f"{'turn':>4} {'prompt':>6} {'new':>5} {'cached':>6} {'reason':>10} {'ttft':>7} {'cold ttft':>9} "
+                  f"{'cold new':>8} {'ttft-cold new':>13}")
+            prev = 0
+            for i, (w, c) in enumerate(zip(warm, cold)):
+                new = w["prompt"] - prev
+                cold_new = c["ttft"] * new / c["prompt"]
+                w["new"], w["cold_new"] = new, cold_new
+                print(f"{i + 1:4d} {w['prompt']:6d} {new:5d} {w['cached']:6d} {w['report']['reason']:>10} "
+                      f"{w['ttft']:7.3f} {c['ttft']:9.3f} {cold_new:8.3f} {w['ttft'] - cold_new:+13.3f}")
+                prev = w["prompt"]
+            prompt = sum(w["prompt"] for w in warm)
+            share = sum(w["cached"] for w in warm) / prompt
+            bound = 1 - sum(w["new"] for w in warm) / prompt
+            tw, tc = sum(w["total"] for w in warm), sum(c["total"] for c in cold)
+            print(f"cached share {share:.3f} (bound 1 - new/prompt: {bound:.3f}); total time cache on {tw:.2f} s, "
+                  f"defeated {tc:.2f} s: {tc / tw:.2f}x; turns with ttft <= cold prefill of new tokens + 50 ms: "
+                  f"{sum(w['ttft'] <= w['cold_new'] + 0.05 for w in warm)}/{len(warm)}")
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+    with open("/proc/loadavg") as f:
+        print("load average at end:", f.read().split()[:3])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
