@@ -33,6 +33,18 @@ def cuda_target(device_kind: str = DEFAULT_CUDA_DEVICE):
         yield
 
 
+def targets_gpu() -> bool:
+    """True on a GPU host, or inside `cuda_target()`: for kernels that must choose compiled or
+    interpreted at trace time (Mosaic GPU's interpreter has effects that `platform_dependent`
+    cannot carry into a CUDA lowering)."""
+    if any(d.platform == "gpu" for d in jax.devices()):
+        return True
+    if JAX_VERSION < (0, 11):
+        return False
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    return device is not None and device.platform == "gpu"
+
+
 def lower_for_cuda(fn, *args, **kwargs):
     """`jax.jit(fn).trace(*args, **kwargs).lower(lowering_platforms=("cuda",))` on any host and
     either JAX line (see `cuda_target`)."""
