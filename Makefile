@@ -58,7 +58,7 @@ test-jax010: $(TESTENV)
 # GPU check's dry run; the torch/transformers parity tests run in the 3.11 lane only.
 JAX011_TESTS ?= tests/test_pallas.py tests/test_paged_kernel.py tests/test_grouped_matmul.py \
 	tests/test_delta_rule.py tests/test_default_model.py tests/test_engine.py tests/test_server_openai.py \
-	tests/test_gpu_check.py
+	tests/test_gpu_check.py tests/test_mosaic.py
 test-jax011: $(JAX011)
 	$(BIN312)/python -m pytest -q $(JAX011_TESTS)
 

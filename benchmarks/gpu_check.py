@@ -19,6 +19,9 @@ table. Sections:
            B=64 one-token decode: pallas against the XLA path, and against fla's
            `chunk_gated_delta_rule` / `fused_recurrent_gated_delta_rule` on the same inputs when
            `fla` imports (q and k repeated to Hv heads for fla); median of 5 after a warm-up.
+           On JAX 0.11+ also implementation="mosaic" (the state pass on Mosaic GPU): checked
+           against the reference and timed for the prefill forward; its first GPU run is here, so
+           a failure of it is a note, not a lost section.
   model    `hybridjax.generate` on a random bfloat16 Qwen3.5-shaped model (24 layers, hidden
            1024, vocab 248320, tied: ~0.8B): prefill tok/s (one 2048-token prompt), decode tok/s
            (128 greedy tokens, generate minus prefill); the serving engine (`Engine`, the path under
@@ -50,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hybridjax.pallas_kernels.gated_delta_rule import (  # noqa: E402
     chunk_gated_delta_rule,
+    mosaic,
     recurrent_gated_delta_rule_reference,
 )
 from hybridjax.pallas_kernels.grouped_matmul import gmm_reference, grouped_matmul  # noqa: E402
@@ -194,6 +198,16 @@ def _row(kernel, policy, got, want):
     return {"kernel": kernel, "policy": policy, "error": e, "tolerance": TOL[policy], "ok": e < TOL[policy]}
 
 
+def check_mosaic(sz: Sizes) -> list[dict]:
+    """implementation="mosaic" (the state pass on Mosaic GPU; bf16 "fast" only) against the
+    reference; its first run on a GPU is here, so a failure is a note, not a lost section."""
+    d = sz.gdr
+    args = gdr_inputs(d["B"], d["T"], d["Hk"], d["Hv"], d["K"], d["V"], jnp.bfloat16)
+    got = jax.jit(lambda q, k, v, g, b, s: chunk_gated_delta_rule(
+        q, k, v, g, b, initial_state=s, implementation="mosaic"))(*args)
+    return [_row("delta rule forward (mosaic state pass)", "fast", got, _gdr_reference(*upcast(args)))]
+
+
 def check_kernels(sz: Sizes) -> list[dict]:
     rows = []
     for policy, dtype in (("exact", jnp.float32), ("fast", jnp.bfloat16)):
@@ -276,8 +290,17 @@ def time_kernels(sz: Sizes, dry: bool) -> tuple[list[dict], list[str]]:
              ("decode", f"B={sz.time_decode_B} T=1 Hv={p['Hv']}", dec, fwd)]
     if dry:  # interpreting the backward kernels costs the dry run most of its time; the check ran them
         cases.pop(1)
+    # "mosaic" (JAX 0.11+): its state pass only differs for prefill; not in the dry run (the GPU
+    # interpreter is slow, and test_mosaic.py checks it)
+    with_mosaic = mosaic.AVAILABLE and not dry
     for name, shape, args, make in cases:
-        ms = {impl: 1e3 * timed(lambda f=make(impl): ready(f(*args)), sz.repeats) for impl in ("pallas", "xla")}
+        impls = ("pallas", "xla") + (("mosaic",) if with_mosaic and name == "prefill forward" else ())
+        ms = {}
+        for impl in impls:
+            try:
+                ms[impl] = 1e3 * timed(lambda f=make(impl): ready(f(*args)), sz.repeats)
+            except Exception as e:  # noqa: BLE001 - a failing variant is a note, the row stays
+                notes.append(f"{name} {impl}: {type(e).__name__}: {str(e)[:300]}")
         if fla and name != "prefill forward+backward":
             fn = fla[1] if name.startswith("prefill") else fla[2]
             ms["fla"] = 1e3 * _fla_time(fla, fn, args, p["Hv"], sz.repeats)
@@ -381,12 +404,14 @@ def markdown(res: dict) -> str:
                   f" {'ok' if r['ok'] else '**FAIL**'} |" for r in res["kernels"]]
         lines.append("")
     if res.get("timing"):
-        lines += ["| timing | shape | pallas ms | xla ms | fla ms | xla / pallas |", "|---|---|---:|---:|---:|---:|"]
+        cols = ("pallas", "mosaic", "xla", "fla")
+        lines += ["| timing | shape | " + " | ".join(f"{c} ms" for c in cols) + " | xla / pallas |",
+                  "|---|---|" + "---:|" * (len(cols) + 1)]
         for r in res["timing"]:
             ms = r["ms"]
-            fla = f"{ms['fla']:.3f}" if "fla" in ms else "-"
-            lines.append(f"| {r['kernel']} | {r['shape']} | {ms['pallas']:.3f} | {ms['xla']:.3f} | {fla} |"
-                         f" {ms['xla'] / ms['pallas']:.2f}x |")
+            ratio = f"{ms['xla'] / ms['pallas']:.2f}x" if "xla" in ms and "pallas" in ms else "-"
+            lines.append(f"| {r['kernel']} | {r['shape']} | " + " | ".join(_num(ms.get(c), ".3f") for c in cols)
+                         + f" | {ratio} |")
         lines.append("")
     if res.get("model"):
         m = res["model"]
@@ -422,6 +447,11 @@ def run(out_dir: Path, dry: bool, skip: set[str]) -> dict:
         if name == "timing":
             value, notes = value
             res["notes"] += notes
+        if name == "kernels" and mosaic.AVAILABLE and not dry:
+            try:
+                value += check_mosaic(sz)
+            except Exception as e:  # noqa: BLE001
+                res["notes"].append(f"mosaic check: {type(e).__name__}: {str(e)[:300]}")
         res[name] = value
     res["seconds"] = time.perf_counter() - t0
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -122,6 +122,7 @@ def state_pass_mosaic(wk, wv, k, row_scale, chunk_decay, s0, *, interpret=False)
 
             @pl.when(n + STAGES < nc)
             def _():
+                plgpu.commit_smem()  # its warpgroup barrier: every thread is done reading this slot
                 load(n + STAGES, slot)
 
             return s
