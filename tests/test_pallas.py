@@ -441,7 +441,7 @@ def test_unknown_precision_fails_fast():
 
 def test_unknown_implementation_fails_fast():
     q, k, v, g, beta, _ = make_inputs(3, 2)
-    with pytest.raises(ValueError, match=r"'triton'.*\['pallas', 'reference', 'xla'\]"):
+    with pytest.raises(ValueError, match=r"'triton'.*\['mosaic', 'pallas', 'reference', 'xla'\]"):
         chunk_gated_delta_rule(q, k, v, g, beta, implementation="triton")
 
 
