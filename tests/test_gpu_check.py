@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 
 
-def run_script(*args, timeout=600):
+def run_script(*args, timeout=1800):  # a guard against a hang; ~70 s of CPU on an idle machine
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True,
                           env=env, timeout=timeout)
