@@ -54,10 +54,13 @@ test: test-jax010 test-jax011
 test-jax010: $(TESTENV)
 	$(BIN)/python -m pytest -q tests
 
-# Kernels (Pallas interpret mode, CUDA lowering), model invariants, engine, server over HTTP, the
-# GPU check's dry run; the torch/transformers parity tests run in the 3.11 lane only.
+# What JAX-version drift breaks: the kernels (Pallas interpret mode, CUDA lowering, Mosaic GPU),
+# the delta rule's XLA paths, the default model and the engine's jitted steps, and the GPU check's
+# dry run (the GPU image is this line). Not the server (pure Python over the engine) nor the
+# torch/transformers parity tests (3.11 lane only): the whole `.ci/run` stays under 30 minutes.
+# All torch-free tests on this line: `make test-jax011 JAX011_TESTS=tests`.
 JAX011_TESTS ?= tests/test_pallas.py tests/test_paged_kernel.py tests/test_grouped_matmul.py \
-	tests/test_delta_rule.py tests/test_default_model.py tests/test_engine.py tests/test_server_openai.py \
+	tests/test_delta_rule.py tests/test_default_model.py tests/test_engine.py \
 	tests/test_gpu_check.py tests/test_mosaic.py
 test-jax011: $(JAX011)
 	$(BIN312)/python -m pytest -q $(JAX011_TESTS)
