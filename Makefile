@@ -10,14 +10,22 @@ NOTEBOOKENV := $(VENV)/.installed-notebooks
 QUICK_TESTS := tests/test_model.py tests/test_delta_rule.py tests/test_pages.py tests/test_prefix_cache.py \
                tests/test_engine.py tests/test_server.py
 
-.PHONY: run test test-quick notebooks install install-test clean
+# The second JAX line: Python 3.12 + JAX 0.11.2, what the accelerator machines carry (pyenv's 3.12
+# on this image). It installs the torch-free test extra only; tests needing torch skip there.
+PYTHON312 ?= PYENV_VERSION=3.12.1 python3
+VENV312 := .venv312
+BIN312  := $(VENV312)/bin
+JAX011  := $(VENV312)/.installed-jax011
+JAX011_VERSION := 0.11.2
+
+.PHONY: run test test-jax010 test-jax011 test-quick notebooks install install-test gpu-check gpu-check-dry-run clean
 
 $(RUNTIME): pyproject.toml setup.py hybridjax/cpu_kernels/matmul.cc
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# jax first: the C++ extension (hybridjax/cpu_kernels) compiles against jaxlib's FFI headers;
 	# building in this venv skips an isolated build env with a jax of its own (~25 s)
-	$(BIN)/pip install --quiet "setuptools>=68" "jax>=0.10,<0.11" "jaxlib>=0.10,<0.11"
+	$(BIN)/pip install --quiet "setuptools>=68" "jax>=0.10,<0.11" "jaxlib>=0.10,<0.11"  # the 0.10 line
 	$(BIN)/pip install --quiet --no-build-isolation -e .
 	touch $(RUNTIME)
 
@@ -31,6 +39,13 @@ $(NOTEBOOKENV): $(RUNTIME)
 	$(BIN)/pip install --quiet --no-build-isolation -e '.[notebooks]'
 	touch $(NOTEBOOKENV)
 
+$(JAX011): pyproject.toml setup.py hybridjax/cpu_kernels/matmul.cc
+	$(PYTHON312) -m venv $(VENV312)
+	$(BIN312)/pip install --quiet --upgrade pip
+	$(BIN312)/pip install --quiet "setuptools>=68" "jax==$(JAX011_VERSION)" "jaxlib==$(JAX011_VERSION)"
+	$(BIN312)/pip install --quiet --no-build-isolation -e '.[test-core]'
+	touch $(JAX011)
+
 install: $(RUNTIME)
 
 install-test: $(TESTENV)
@@ -40,7 +55,11 @@ install-test: $(TESTENV)
 run: $(RUNTIME)
 	$(BIN)/hybridjax serve $(if $(MODEL),--model $(MODEL))
 
-test: $(TESTENV)
+# Both JAX lines: the full suite on Python 3.11 + JAX 0.10, then the torch-free tests that catch
+# JAX-version drift on Python 3.12 + JAX 0.11.
+test: test-jax010 test-jax011
+
+test-jax010: $(TESTENV)
 	$(BIN)/python -m pytest -q tests
 
 test-quick: $(TESTENV)
@@ -51,5 +70,25 @@ test-quick: $(TESTENV)
 notebooks: $(NOTEBOOKENV)
 	$(BIN)/python notebooks/execute.py notebooks/*.ipynb
 
+# What JAX-version drift breaks: the kernels (Pallas interpret mode, CUDA lowering, Mosaic GPU),
+# the delta rule's XLA paths, the default model and the engine's jitted steps, and the GPU check's
+# dry run (the GPU image is this line). Not the server (pure Python over the engine) nor the
+# torch/transformers parity tests (3.11 lane only): the whole `.ci/run` stays under 30 minutes.
+# All torch-free tests on this line: `make test-jax011 JAX011_TESTS=tests`.
+JAX011_TESTS ?= tests/test_pallas.py tests/test_paged_kernel.py tests/test_grouped_matmul.py \
+	tests/test_delta_rule.py tests/test_default_model.py tests/test_engine.py \
+	tests/test_gpu_check.py tests/test_mosaic.py
+test-jax011: $(JAX011)
+	$(BIN312)/python -m pytest -q $(JAX011_TESTS)
+
+# On a GPU machine from a plain checkout (nothing installed): every kernel against its reference,
+# kernel timings, generate and serve figures; OUT=folder for the JSON and the markdown table.
+OUT ?= gpu-check
+gpu-check:
+	PYTHONPATH=$(CURDIR) python3 benchmarks/gpu_check.py $(OUT)
+
+gpu-check-dry-run:
+	PYTHONPATH=$(CURDIR) $(BIN)/python benchmarks/gpu_check.py --dry-run $(OUT)
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VENV312) .pytest_cache

@@ -59,6 +59,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # fla_compile
 
+from hybridjax.pallas_kernels.compat import lower_for_cuda  # noqa: E402
 from hybridjax.pallas_kernels.gated_delta_rule import (  # noqa: E402
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_xla,
@@ -210,7 +211,7 @@ def lower_layer(T, dtype=jnp.bfloat16, precision="fast", grad=False):
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
 
     fn = jax.grad(loss, argnums=tuple(range(6))) if grad else f
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    return lower_for_cuda(fn, *args)
 
 
 def compile_table(archs, prefill_T=8192, fla_src=None):

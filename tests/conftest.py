@@ -16,9 +16,17 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import hf_models  # noqa: E402
-
 import hybridjax  # noqa: E402
+
+
+def _hf_models():
+    """The tiny-checkpoint builders need torch + transformers; without them (the Python 3.12 /
+    JAX 0.11 lane, the GPU image's plain checkout) every test that asks for a checkpoint skips."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import hf_models
+
+    return hf_models
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -48,7 +56,7 @@ def _no_persistent_compile_cache():
 def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     """name -> directory of a tiny HF checkpoint saved by transformers."""
     root = tmp_path_factory.mktemp("hf")
-    return {name: build(root / name) for name, build in hf_models.BUILDERS.items()}
+    return {name: build(root / name) for name, build in _hf_models().BUILDERS.items()}
 
 
 @pytest.fixture(scope="session")
@@ -59,7 +67,7 @@ def loaded(hf_dirs):
 
 @pytest.fixture(scope="session")
 def torch_models(hf_dirs):
-    return {name: hf_models.load_torch(d) for name, d in hf_dirs.items()}
+    return {name: _hf_models().load_torch(d) for name, d in hf_dirs.items()}
 
 
 @functools.lru_cache(maxsize=None)

@@ -238,5 +238,5 @@ def test_validation_errors(change, match):
 
 
 def test_unknown_implementation_names_choices():
-    with pytest.raises(ValueError, match=r"'triton'.*\['pallas', 'reference', 'xla'\]"):
+    with pytest.raises(ValueError, match=r"'triton'.*\['mosaic', 'pallas', 'reference', 'xla'\]"):
         chunk_gated_delta_rule(**_shape_args(), implementation="triton")

@@ -28,6 +28,7 @@ import pytest
 pytest.importorskip("triton")
 
 from hybridjax.pallas_kernels import triton_offline  # noqa: E402
+from hybridjax.pallas_kernels.compat import lower_for_cuda  # noqa: E402
 from hybridjax.pallas_kernels.gated_delta_rule import chunk_gated_delta_rule  # noqa: E402
 from hybridjax.pallas_kernels.gated_delta_rule.common import compile_target  # noqa: E402
 
@@ -63,7 +64,7 @@ def lower_layer(T, *, hk=2, hv=4, dim=128, precision="fast", packed=0, grad=Fals
             return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
 
         fn = jax.grad(fn, argnums=(0, 1, 2, 3, 4, 5))
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    return lower_for_cuda(fn, *args)
 
 
 @functools.lru_cache(maxsize=None)

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-import hf_models
+pytest.importorskip("torch")  # hf_models builds checkpoints with transformers
+import hf_models  # noqa: E402
 import hybridjax
 from hybridjax.conversion import CheckpointError
 from hybridjax.config import ConfigError, config_from_dict

@@ -21,6 +21,7 @@ Seeds are fixed.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 
@@ -30,6 +31,7 @@ import numpy as np
 import pytest
 
 import hybridjax.pallas_kernels.paged_attention.api as api
+from hybridjax.pallas_kernels.compat import cuda_target
 from hybridjax.pallas_kernels.paged_attention import (
     MAX_DECODE_QUERIES,
     paged_attention,
@@ -189,8 +191,9 @@ def _lower(impl, t, dtype, platform="cuda", b=3, hq=16, hkv=2, dh=256, s=64, poo
     batch, pool and table sizes are not powers of two (Triton tiles must be; these are not tiles)."""
     args = (sds((b, t, hq, dh), dtype), sds((pool, s, hkv, dh), dtype), sds((pool, s, hkv, dh), dtype),
             sds((b, n_table), jnp.int32), sds((b, t), jnp.int32))
-    return jax.jit(functools.partial(paged_attention, implementation=impl)).trace(*args).lower(
-        lowering_platforms=(platform,))
+    with cuda_target() if platform == "cuda" else contextlib.nullcontext():
+        return jax.jit(functools.partial(paged_attention, implementation=impl)).trace(*args).lower(
+            lowering_platforms=(platform,))
 
 
 def _kernels(text):
@@ -240,12 +243,14 @@ def test_engine_decode_step_carries_the_kernel_on_gpu():
     cfg, params, _ = tiny_test_model()
     state = jax.eval_shape(lambda: steps.init_state(cfg, 2, 32, 16))
     rows, table = sds((2,), jnp.int32), sds((2, 8), jnp.int32)
-    decode = steps.decode.trace(params, state, rows, table, cfg).lower(lowering_platforms=("cuda",)).as_text()
+    with cuda_target():
+        decode = steps.decode.trace(params, state, rows, table, cfg).lower(lowering_platforms=("cuda",)).as_text()
     names = re.findall(r'name = "(\w+)"', decode)
     assert names.count("paged_attention") == sum(t == "full_attention" for t in cfg.layer_types) == 1, names
     chunk = sds((2, 32), jnp.int32)
-    prefill = steps.prefill_chunk.trace(params, state, rows, chunk, sds((2,), jnp.int32), table, sds((2,), bool),
-                                        cfg).lower(lowering_platforms=("cuda",)).as_text()
+    with cuda_target():
+        prefill = steps.prefill_chunk.trace(params, state, rows, chunk, sds((2,), jnp.int32), table,
+                                            sds((2,), bool), cfg).lower(lowering_platforms=("cuda",)).as_text()
     assert "paged_attention" not in re.findall(r'name = "(\w+)"', prefill)
 
 

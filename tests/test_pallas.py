@@ -19,6 +19,7 @@ dtype below with their reasons; the measured ratios are printed (`pytest -s`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 
@@ -28,6 +29,7 @@ import numpy as np
 import pytest
 
 import hybridjax.pallas_kernels.gated_delta_rule.api as api
+from hybridjax.pallas_kernels.compat import cuda_target
 from hybridjax.pallas_kernels.gated_delta_rule import (
     RECURRENT_MAX_TOKENS,
     chunk_gated_delta_rule,
@@ -385,7 +387,8 @@ def _lower(impl, T, *, platform="cuda", grad=False):
         return sum(jnp.sum(x.astype(jnp.float32)) for x in f(*a))
 
     fn = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5)) if grad else f
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    with cuda_target() if platform == "cuda" else contextlib.nullcontext():
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
 
 
 @pytest.mark.parametrize("impl", ["pallas", None])
@@ -438,7 +441,7 @@ def test_unknown_precision_fails_fast():
 
 def test_unknown_implementation_fails_fast():
     q, k, v, g, beta, _ = make_inputs(3, 2)
-    with pytest.raises(ValueError, match=r"'triton'.*\['pallas', 'reference', 'xla'\]"):
+    with pytest.raises(ValueError, match=r"'triton'.*\['mosaic', 'pallas', 'reference', 'xla'\]"):
         chunk_gated_delta_rule(q, k, v, g, beta, implementation="triton")
 
 

@@ -26,7 +26,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-import hf_models
+pytest.importorskip("torch")  # hf_models builds checkpoints with transformers
+import hf_models  # noqa: E402
 import hybridjax
 from hybridjax.config import config_from_dict
 from hybridjax.default_model import TINY_CONFIG

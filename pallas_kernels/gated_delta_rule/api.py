@@ -14,8 +14,10 @@ Implementations (`IMPLEMENTATIONS`):
   "xla"        chunked WY/UT form (xla.py), or the token scan for T <= RECURRENT_MAX_TOKENS;
   "pallas"     Pallas kernels: chunk.py, or recurrent.py for T <= RECURRENT_MAX_TOKENS;
                compiled Triton kernels on GPU, the Pallas interpreter on CPU;
+  "mosaic"     "pallas" with the chunked state pass on Pallas Mosaic GPU (mosaic.py; JAX 0.11+,
+               bfloat16 "fast" only; the GPU interpreter on CPU); not yet run on a GPU;
   None         "pallas" on GPU (CUDA / ROCm), "xla" elsewhere.
-"xla", "pallas" and None differentiate through `backward.gated_delta_rule_with_vjp`: inputs
+"xla", "pallas", "mosaic" and None differentiate through `backward.gated_delta_rule_with_vjp`: inputs
 are the only residuals and the backward recomputes the chunk states.
 
 `precision` ("fast", the default, or "exact") is the Pallas kernels' policy (`common.py`):
@@ -39,6 +41,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ..compat import targets_gpu
 from .backward import gated_delta_rule_with_vjp
 from .chunk import chunk_gated_delta_rule_pallas
 from .common import L2NORM_EPS, PRECISIONS, l2norm  # noqa: F401  (L2NORM_EPS re-exported)
@@ -52,7 +55,7 @@ from .xla import chunk_gated_delta_rule_xla
 # does not need. Both "xla" (reference scan) and "pallas" (recurrent.py) switch here.
 RECURRENT_MAX_TOKENS = 16
 
-IMPLEMENTATIONS = ("pallas", "reference", "xla")
+IMPLEMENTATIONS = ("mosaic", "pallas", "reference", "xla")
 
 # Backends the Pallas kernels compile for (Triton); CPU runs them in the interpreter.
 _PALLAS_GPU_PLATFORMS = ("cuda", "rocm")
@@ -82,6 +85,31 @@ def _pallas(q, k, v, g, beta, *, scale, initial_state, normalize=False, precisio
     if q.shape[1] <= RECURRENT_MAX_TOKENS:  # exact in any policy: the reference's own order
         return recurrent_gated_delta_rule_pallas(q, k, v, g, beta, **kw)
     return chunk_gated_delta_rule_pallas(q, k, v, g, beta, precision=precision, **kw)
+
+
+def _mosaic(q, k, v, g, beta, *, scale, initial_state, normalize=False, precision="fast",
+            interpret=None):
+    """"pallas" with the chunked state pass on Mosaic GPU (mosaic.py; JAX 0.11+, bfloat16, "fast"):
+    the Triton intra-chunk and output kernels around it; decode keeps the Triton kernel.
+    interpret=None is decided at trace time: compiled on a GPU host or inside
+    `compat.cuda_target()`, interpreted otherwise."""
+    if interpret is None:
+        interpret = not targets_gpu()
+    kw = dict(scale=scale, initial_state=initial_state, normalize=normalize, interpret=interpret)
+    if q.shape[1] <= RECURRENT_MAX_TOKENS:
+        return recurrent_gated_delta_rule_pallas(q, k, v, g, beta, **kw)
+    return chunk_gated_delta_rule_pallas(q, k, v, g, beta, precision=precision, state_kernel="mosaic", **kw)
+
+
+def _check_mosaic_can_run(v, precision):
+    from . import mosaic
+
+    if not mosaic.AVAILABLE:
+        raise ValueError(f"implementation='mosaic' needs Pallas Mosaic GPU as in JAX 0.11+ (this is JAX "
+                         f"{jax.__version__}); use 'pallas'")
+    if precision != "fast" or v.dtype != jnp.bfloat16:
+        raise ValueError(f"implementation='mosaic' runs the 'fast' policy on bfloat16 inputs; got precision "
+                         f"{precision!r}, v {v.dtype}")
 
 
 def _auto(q, k, v, g, beta, *, scale, initial_state, normalize=False, precision="fast"):
@@ -169,7 +197,8 @@ def chunk_gated_delta_rule(
     Args:
       scale: multiplies q after any normalisation; None means K ** -0.5.
       use_qk_l2norm_in_kernel: L2-normalise q and k (float32, eps 1e-6) first.
-      implementation: "reference", "xla", "pallas", or None ("pallas" on GPU, "xla" elsewhere,
+      implementation: "reference", "xla", "pallas", "mosaic" ("pallas" with the state pass on
+        Mosaic GPU: JAX 0.11+, bfloat16, "fast"), or None ("pallas" on GPU, "xla" elsewhere,
         decided by the lowering platform).
       precision: the Pallas kernels' policy, "fast" (tensor cores, input-dtype operands and
         intermediates) or "exact" (IEEE float32); "reference" and "xla" are float32 always.
@@ -187,11 +216,13 @@ def chunk_gated_delta_rule(
         )
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; valid choices: {list(PRECISIONS)}")
-    if implementation == "pallas" or cu_seqlens is not None:
+    if implementation in ("pallas", "mosaic") or cu_seqlens is not None:
         _check_pallas_can_run()
+    if implementation == "mosaic":
+        _check_mosaic_can_run(v, precision)
     num_states = q.shape[0]
     if cu_seqlens is not None:
-        if implementation not in (None, "pallas"):
+        if implementation not in (None, "pallas"):  # (not "mosaic": its state pass takes no packing)
             raise ValueError(f"cu_seqlens needs implementation 'pallas' or None, got "
                              f"{implementation!r}")
         if q.shape[0] != 1 or cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
@@ -206,7 +237,7 @@ def chunk_gated_delta_rule(
                        cu_seqlens=cu_seqlens, normalize=use_qk_l2norm_in_kernel,
                        precision=precision)
     # The Pallas kernels (and None, which may pick them) normalise inside; the XLA paths first.
-    fused_norm = use_qk_l2norm_in_kernel and implementation in (None, "pallas")
+    fused_norm = use_qk_l2norm_in_kernel and implementation in (None, "pallas", "mosaic")
     if use_qk_l2norm_in_kernel and not fused_norm:
         q, k = l2norm(q), l2norm(k)
     if implementation == "reference":
@@ -225,8 +256,9 @@ def chunk_gated_delta_rule(
 
 
 # Module-level objects, so the custom_vjp's static `forward` is the same object on every call.
-_FORWARDS = {None: _auto, "xla": _xla, "pallas": _pallas}
+_FORWARDS = {None: _auto, "xla": _xla, "pallas": _pallas, "mosaic": _mosaic}
 # Where the backward's sequential state passes run (backward.gated_delta_rule_backward).
 _xla.backward_kernels = "xla"
 _pallas.backward_kernels = "pallas"
+_mosaic.backward_kernels = "pallas"  # the backward's state passes stay Triton
 _auto.backward_kernels = "auto"

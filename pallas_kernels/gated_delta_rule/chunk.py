@@ -233,8 +233,20 @@ def chunk_tables(T, c, batch, cu_seqlens=None):
     return chunks, seqs
 
 
+def _mosaic_state(wk, wv, g, k, s0, *, normalize, interpret):
+    """Stage 2 on Mosaic GPU (mosaic.py): the gate scalings (and 1 / ||k_t|| when normalising)
+    precomputed by XLA, the recurrence in the kernel."""
+    from . import mosaic
+
+    r = wk.shape[1] // k.shape[2]
+    row_scale, chunk_decay = mosaic.gate_scales(g)  # [B, Hv, T], [B, Hv, NC]
+    if normalize:  # [B, T, Hk] -> [B, Hv, T], value head h uses key head h // r
+        row_scale = row_scale * jnp.repeat(jnp.moveaxis(inv_norm(sum_sq(k)), 2, 1), r, axis=1)
+    return mosaic.state_pass_mosaic(wk, wv, k, row_scale, chunk_decay, s0, interpret=interpret)
+
+
 def _forward(chunks, seqs, q, k, v, g, beta, s0, *, scale, chunk_size, pol, normalize,
-             interpret):
+             interpret, state_kernel="triton"):
     """q, k [B, T, Hk, K], v [B, T, Hv, V], g, beta [B, T, Hv], s0 [S, Hv, K, V] float32 (S
     sequences: B, or the packed ones when B = 1), with K, V powers of two >= 16, and the
     `chunk_tables`. Returns (o [B, T, Hv, V], final state [S, Hv, K, V])."""
@@ -275,26 +287,29 @@ def _forward(chunks, seqs, q, k, v, g, beta, s0, *, scale, chunk_size, pol, norm
 
     bv = min(V, tune.state_bv)
     n_h = nc if packed else -(-T // c)  # chunk states per batch row
-    u, h, final = call(
-        functools.partial(_state_kernel, bk=bk, **kw),
-        grid=(S, Hv, V // bv),
-        in_specs=[
-            pl.BlockSpec(seqs.shape, whole),
-            pl.BlockSpec((None, None, T, K), lambda i, h, j: (row(i), h, 0, 0)),
-            pl.BlockSpec((None, None, T, bv), lambda i, h, j: (row(i), h, 0, j)),
-            pl.BlockSpec((None, T, None), per_head),
-            pl.BlockSpec((None, T, None, K), key),
-            pl.BlockSpec((None, None, K, bv), lambda i, h, j: (i, h, 0, j)),
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, T, bv), lambda i, h, j: (row(i), h, 0, j)),
-            pl.BlockSpec((None, None, n_h, K, bv), lambda i, h, j: (row(i), h, 0, 0, j)),
-            pl.BlockSpec((None, None, K, bv), lambda i, h, j: (i, h, 0, j)),
-        ],
-        out_shape=[sds((B, Hv, T, V), io), sds((B, Hv, n_h, K, V), io), sds((S, Hv, K, V), f32)],
-        compiler_params=triton_params(tune.state_warps, tune.stages),
-        name="gdr_state",
-    )(seqs, wk, wv, g, k, s0)
+    if state_kernel == "mosaic":  # same outputs; the caller made T a multiple of C, no packing
+        u, h, final = _mosaic_state(wk, wv, g, k, s0, normalize=normalize, interpret=interpret)
+    else:
+        u, h, final = call(
+            functools.partial(_state_kernel, bk=bk, **kw),
+            grid=(S, Hv, V // bv),
+            in_specs=[
+                pl.BlockSpec(seqs.shape, whole),
+                pl.BlockSpec((None, None, T, K), lambda i, h, j: (row(i), h, 0, 0)),
+                pl.BlockSpec((None, None, T, bv), lambda i, h, j: (row(i), h, 0, j)),
+                pl.BlockSpec((None, T, None), per_head),
+                pl.BlockSpec((None, T, None, K), key),
+                pl.BlockSpec((None, None, K, bv), lambda i, h, j: (i, h, 0, j)),
+            ],
+            out_specs=[
+                pl.BlockSpec((None, None, T, bv), lambda i, h, j: (row(i), h, 0, j)),
+                pl.BlockSpec((None, None, n_h, K, bv), lambda i, h, j: (row(i), h, 0, 0, j)),
+                pl.BlockSpec((None, None, K, bv), lambda i, h, j: (i, h, 0, j)),
+            ],
+            out_shape=[sds((B, Hv, T, V), io), sds((B, Hv, n_h, K, V), io), sds((S, Hv, K, V), f32)],
+            compiler_params=triton_params(tune.state_warps, tune.stages),
+            name="gdr_state",
+        )(seqs, wk, wv, g, k, s0)
 
     bv = min(V, tune.output_bv)
     o = call(
@@ -341,7 +356,7 @@ def pad_heads(q, k, v, initial_state, num_states):
 
 def chunk_gated_delta_rule_pallas(
     q, k, v, g, beta, *, scale, initial_state=None, chunk_size=CHUNK_SIZE, interpret=None,
-    normalize=False, precision="fast", cu_seqlens=None,
+    normalize=False, precision="fast", cu_seqlens=None, state_kernel="triton",
 ):
     """Chunked gated delta rule in Pallas; same contract as the reference.
 
@@ -355,6 +370,9 @@ def chunk_gated_delta_rule_pallas(
       cu_seqlens: None, or int32 [N + 1] with B = 1: N sequences packed along T (sequence i is
         rows cu_seqlens[i]:cu_seqlens[i + 1], increasing, cu_seqlens[0] = 0, [-1] = T), each
         with its own state: initial_state and the final state are then [N, Hv, K, V].
+      state_kernel: "triton", or "mosaic" (JAX 0.11+: the state pass on Pallas Mosaic GPU,
+        mosaic.py; "fast" policy in bfloat16, chunk_size 64, no cu_seqlens; T is zero-padded to
+        whole chunks, which changes nothing: g = 0 and k = 0 there).
 
     Returns:
       (o [B, T, Hv, V] in v's dtype, final_state [B or N, Hv, K, V] float32).
@@ -375,8 +393,14 @@ def chunk_gated_delta_rule_pallas(
              else initial_state.astype(f32))
         return jnp.zeros((B, 0, Hv, V), v.dtype), s
     q, k, v, s0 = pad_heads(q, k, v, initial_state, num_states)
-    chunks, seqs = chunk_tables(T, chunk_size, B, cu_seqlens)
+    if state_kernel == "mosaic":
+        if cu_seqlens is not None or chunk_size != 64 or pol.exact or v.dtype != jnp.bfloat16:
+            raise ValueError("state_kernel='mosaic' needs bfloat16 inputs, precision 'fast', "
+                             "chunk_size 64 and no cu_seqlens")
+        t_pad = -(-T // chunk_size) * chunk_size
+        q, k, v, g, beta = (_pad_to(x, 1, t_pad) for x in (q, k, v, g, beta))
+    chunks, seqs = chunk_tables(q.shape[1], chunk_size, B, cu_seqlens)
     fwd = functools.partial(_forward, scale=scale, chunk_size=chunk_size, pol=pol,
-                            normalize=normalize)
+                            normalize=normalize, state_kernel=state_kernel)
     o, final = run_on_platform(fwd, interpret, chunks, seqs, q, k, v, g, beta, s0)
-    return o[..., :V], final[:, :, :K, :V]
+    return o[:, :T, :, :V], final[:, :, :K, :V]
