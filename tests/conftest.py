@@ -29,6 +29,9 @@ def _release_compiled_programs():
     the next compile crashed (segfault or abort, seen in CI). Clearing frees the mappings; later
     modules recompile what they use."""
     yield
+    from hybridjax import engine_programs
+
+    engine_programs.clear_registry()  # the engines' executables (hybridjax.engine_programs)
     jax.clear_caches()
     gc.collect()
 
