@@ -214,8 +214,8 @@ def engine_lowerers(cfg, params, state, *, slots: int, pages_per_row: int, num_p
     lowering never touches the live, donated state)."""
     i32 = lambda r: jax.ShapeDtypeStruct((r,), np.int32)  # noqa: E731
     table = lambda r: jax.ShapeDtypeStruct((r, pages_per_row), np.int32)  # noqa: E731
-    snapshot = jax.eval_shape(steps._read_row, state, np.int32(0))
     page = jax.ShapeDtypeStruct((), np.int32)
+    snapshot = lambda: jax.eval_shape(steps._read_row, state, page)  # noqa: E731  (traced only to compile)
     return {
         "decode": lambda r, t: steps.decode.lower(params, state, i32(r), table(r), cfg, implementation),
         "spec_decode": lambda r, t: steps.spec_decode.lower(params, state, i32(r), table(r), cfg, speculative_tokens,
@@ -225,7 +225,7 @@ def engine_lowerers(cfg, params, state, *, slots: int, pages_per_row: int, num_p
             params, state, i32(r), jax.ShapeDtypeStruct((r, t), np.int32), i32(r), table(r),
             jax.ShapeDtypeStruct((r,), np.bool_), cfg, implementation),
         "setup_row": lambda r, t: steps.setup_row.lower(state, page, None, None, *row_args),
-        "setup_row_snapshot": lambda r, t: steps.setup_row.lower(state, page, *snapshot, *row_args),
+        "setup_row_snapshot": lambda r, t: steps.setup_row.lower(state, page, *snapshot(), *row_args),
         "read_row": lambda r, t: steps.read_row.lower(state, page),
         "copy_page": lambda r, t: steps.copy_page.lower(state, page, page),
     }

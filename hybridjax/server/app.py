@@ -608,7 +608,7 @@ def bind(host: str, port: int):
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from None
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     sock.set_inheritable(True)
     return sock
 
