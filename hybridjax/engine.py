@@ -379,6 +379,7 @@ class Engine:
         self._behind: deque[tuple] = deque()  # shapes the compile thread does next, in order
         self._compiler: threading.Thread | None = None
         self.startup: dict = {}  # how start-up went: seconds, programs loaded / compiled
+        self._score_caches: dict = {}  # length -> an empty cache for the prompt scorer
         self._reset_device()
         self.programs: programs.ProgramSet | None = None
         if calls is None:
@@ -562,7 +563,8 @@ class Engine:
             spent += (time.perf_counter() - t) * (how == "compiled")
             left = len(shapes) - i
             eta = f", about {spent / done['compiled'] * left:.0f} s left" if done["compiled"] and left else ""
-            log.log(logging.INFO if progress else logging.DEBUG, "start-up: %d/%d %s %s in %.1f s%s", i, len(shapes),
+            level = logging.INFO if progress and how == "compiled" else logging.DEBUG  # a load is quick: no news
+            log.log(level, "start-up: %d/%d %s %s in %.1f s%s", i, len(shapes),
                     programs.shape_name(shape), how, time.perf_counter() - t, eta)
         seconds = time.perf_counter() - t0
         self.startup = dict(seconds=seconds, programs=len(shapes), **done)
@@ -586,8 +588,8 @@ class Engine:
                     n += self.programs.ensure(shape) != "present"
                 except Exception:  # that bucket stays missing: its requests keep using the others
                     log.exception("compiling %s failed", programs.shape_name(shape))
-            if n and not self._cancel.is_set():
-                log.info("start-up: the other %d programs are ready too (%.1f s behind, %d loaded, %d compiled)", n,
+            if n and not self._cancel.is_set():  # DEBUG: the URL stays the last line a user sees
+                log.debug("start-up: the other %d programs are ready too (%.1f s behind, %d loaded, %d compiled)", n,
                          time.perf_counter() - t0, self.programs.counters["loaded"], self.programs.counters["compiled"])
 
         self._compiler = threading.Thread(target=run, name="hybridjax-compile", daemon=True)
@@ -612,7 +614,19 @@ class Engine:
             else:
                 self.programs.ensure(shape)
         return prompt_logprobs(self.params, prompt_ids, self.cfg, sp, top, bucket=shape[2],
-                               scorer=self.programs.get(shape))
+                               scorer=self.programs.get(shape), empty_cache=self._empty_score_cache(shape[2]))
+
+    def _empty_score_cache(self, t: int):
+        """An empty cache of t positions for the scorer, made from host zeros (`init_cache` would
+        compile its jnp.zeros), once per length."""
+        cache = self._score_caches.get(t)
+        if cache is None:
+            from hybridjax.cache import init_cache
+
+            shapes = jax.eval_shape(lambda: init_cache(self.cfg, 1, t, self.dtype, capacity=t))
+            cache = self._score_caches[t] = jax.tree_util.tree_map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype)),
+                                                                   shapes)
+        return cache
 
     def _warmup_by_running(self, progress: bool) -> float:
         """Warm-up for calls that are jitted functions (hybridjax.multihost): run every shape

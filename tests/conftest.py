@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import functools
 import gc
+import os
 import sys
 from pathlib import Path
+
+# The library turns the persistent compilation cache on (hybridjax.load_model); tests keep it off
+# (see _no_persistent_compile_cache).
+os.environ["HYBRIDJAX_COMPILE_CACHE"] = "0"
 
 import jax
 import pytest

@@ -56,8 +56,14 @@ LONG = (enc("A long prompt takes several chunks. ") * 3)[:100]
 
 
 def _references():
-    """The cold path's tokens, computed before counting (it compiles its own programs)."""
-    return {tuple(p): cold(p, 6) for p in PROMPTS}, _cold_long()
+    """The cold path's tokens and the first prompt's own log-probabilities, computed before
+    counting (they compile their own programs)."""
+    from hybridjax.generate import prompt_logprobs
+
+    cfg, params, _ = tiny_test_model()
+    refs = {tuple(p): cold(p, 6) for p in PROMPTS}
+    refs["scores"] = prompt_logprobs(params, PROMPTS[0], cfg, top=2)
+    return refs, _cold_long()
 
 
 def _cold_long():
@@ -79,7 +85,11 @@ def _serve_a_mix(eng: Engine, refs, long_ref) -> None:
         assert collect(h).token_ids == (refs[tuple(q)] if q is not LONG else long_ref)
     run(eng, p + enc(" and more"), 3, temperature=0.8, top_p=0.9, seed=3, repetition_penalty=1.2)  # a hit, sampled
     scores = eng.prompt_logprobs(p, top=2)
-    assert len(scores) == len(p) - 1 and all(len(alt) == 2 for _, alt in scores)
+    # the same program shape (length bucket 32) as the reference: the same float32 values; 1e-6
+    # leaves room for nothing but the order of a reduction
+    assert len(scores) == len(refs["scores"]) == len(p) - 1
+    for (lp, alts), (ref_lp, ref_alts) in zip(scores, refs["scores"]):
+        assert abs(lp - ref_lp) <= 1e-6 and [i for i, _ in alts] == [i for i, _ in ref_alts]
 
 
 def test_serves_on_the_covering_set_and_never_compiles_live(exe_dir):
