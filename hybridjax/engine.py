@@ -33,6 +33,7 @@ Requests are independent rows: greedy output does not depend on the batch or on 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import functools
 import itertools
@@ -40,6 +41,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections import Counter, deque
 from typing import AsyncIterator, Iterator, Sequence
 
@@ -59,6 +61,18 @@ from hybridjax.tokenizer import StreamDecoder, Tokenizer
 log = logging.getLogger(__name__)
 
 _WARMUP_LOCK = threading.Lock()
+_STARTED: "weakref.WeakSet[Engine]" = weakref.WeakSet()  # engines whose threads may be compiling
+
+
+@atexit.register
+def _end_compiles() -> None:
+    """XLA aborts a process that finalizes while another thread compiles: at exit, cancel the
+    engines' compiling and wait for the compile under way (a process in a hurry leaves by
+    os._exit, as the server's CLI does on an interrupt)."""
+    for eng in list(_STARTED):
+        eng._cancel.set()
+        for t in eng._compiling_threads():
+            t.join()
 SHARE_MIN_TOKENS = 16  # a request waits for another's shared-prefix snapshot only past this many tokens
 
 
@@ -378,6 +392,7 @@ class Engine:
         self._cancel = threading.Event()  # stop compiling (the engine stops)
         self._behind: deque[tuple] = deque()  # shapes the compile thread does next, in order
         self._compiler: threading.Thread | None = None
+        self._worker: threading.Thread | None = None  # the last worker started (kept after stop)
         self.startup: dict = {}  # how start-up went: seconds, programs loaded / compiled
         self._score_caches: dict = {}  # length -> an empty cache for the prompt scorer
         self._reset_device()
@@ -453,9 +468,10 @@ class Engine:
         loaded from disk), sets `ready` and serves while the rest compile behind; requests
         submitted meanwhile wait in the queue. `progress`: a log line per program at INFO."""
         if self._thread is None:
+            _STARTED.add(self)
             self._running = True
-            self._thread = threading.Thread(target=self._loop, args=(warmup, progress), name="hybridjax-engine",
-                                            daemon=True)
+            self._thread = self._worker = threading.Thread(target=self._loop, args=(warmup, progress),
+                                                           name="hybridjax-engine", daemon=True)
             self._thread.start()
         return self
 
@@ -477,7 +493,11 @@ class Engine:
     @property
     def compiling(self) -> bool:
         """A thread of this engine is still compiling (start-up or behind)."""
-        return any(t is not None and t.is_alive() for t in (self._compiler, self._thread))
+        return bool(self._compiling_threads())
+
+    def _compiling_threads(self) -> list[threading.Thread]:
+        starting = self._worker if not self.served else None  # the worker compiles before it serves
+        return [t for t in (self._compiler, starting) if t is not None and t.is_alive()]
 
     @property
     def queue_depth(self) -> int:

@@ -237,7 +237,8 @@ class CompiledCalls:
 
     def __init__(self, programs: ProgramSet):
         self.programs = programs
-        self.live_compiles = 0
+        self.live_compiles = 0  # calls that found no executable (the jitted step compiles once per shape)
+        self._missing: set[tuple] = set()
         self.init_state, self.read_pages, self.write_pages = steps.init_state, steps.read_pages, steps.write_pages
 
     def has(self, shape: tuple) -> bool:
@@ -253,7 +254,9 @@ class CompiledCalls:
             except TypeError as e:
                 log.warning("compiled program %s rejects its arguments (%s)", shape_name(shape), e)
         self.live_compiles += 1
-        log.warning("no compiled program for %s: compiling it on a live request", shape_name(shape))
+        if shape not in self._missing:  # once per shape (an engine without warm-up meets each once)
+            self._missing.add(shape)
+            log.info("no compiled program for %s: the jitted step compiles it", shape_name(shape))
         return jitted()
 
     def decode(self, params, state, rows, table, cfg, implementation=None):

@@ -114,7 +114,7 @@ def test_serves_on_the_covering_set_and_never_compiles_live(exe_dir):
         # then the rest compiles behind while requests run: still nothing compiles on their threads
         before = len(_events)
         del eng._compile_behind  # the engine's own again
-        eng._compile_behind([("decode", 1, 1), ("prefill", 1, 32), ("decode", 2, 1)])
+        eng._compile_behind([("decode", 1, 1), ("prefill", 1, 32)])
         for _ in range(3):
             assert run(eng, p, 6).token_ids == refs[tuple(p)]
             assert collect(eng.submit(GenerationRequest(LONG, max_tokens=4))).token_ids == long_ref
