@@ -744,16 +744,17 @@ class Engine:
             self.warmup(progress)
             log.info("start-up: ready in %.1f s (compiled %d programs)", time.perf_counter() - t0, len(self.shapes()))
             return
-        first = self.covering_shapes()
-        self.warmup(progress, first)
+        counters = self.programs.counters
+        before = (counters["loaded"], counters["compiled"], counters["compile_seconds"])
+        self.warmup(progress, self.covering_shapes())
         if self._cancel.is_set():
             return
         rest = [s for s in self.background_shapes() if not self.programs.has(s)]
-        s = self.startup
-        self.startup.update(ready_s=time.perf_counter() - t0, behind=len(rest))
-        log.info("start-up: ready in %.1f s: %d programs loaded from disk, %d compiled (%.1f s)%s", s["ready_s"],
-                 s["loaded"], s["compiled"], self.programs.counters["compile_seconds"],
-                 f"; {len(rest)} more compile behind" if rest else "")
+        loaded, compiled, seconds = (now - then for now, then in zip(
+            (counters["loaded"], counters["compiled"], counters["compile_seconds"]), before))
+        self.startup.update(ready_s=time.perf_counter() - t0, loaded=loaded, compiled=compiled, behind=len(rest))
+        log.info("start-up: ready in %.1f s: %d programs loaded from disk, %d compiled (%.1f s)%s",
+                 self.startup["ready_s"], loaded, compiled, seconds, f"; {len(rest)} more compile behind" if rest else "")
         self._compile_behind(rest)
 
     def _fail_all(self, error: Exception) -> None:
