@@ -64,9 +64,10 @@ class Served:
                     break
             time.sleep(0.1)
         self.ready = time.perf_counter() - self.t0
+        self.model = self.client.get(self.url + "/v1/models").json()["data"][0]["id"]
 
     def post(self, path: str, body: dict) -> dict:
-        r = self.client.post(self.url + path, json={"model": "m", "temperature": 0, **body})
+        r = self.client.post(self.url + path, json={"model": self.model, "temperature": 0, **body})
         r.raise_for_status()
         return r.json()
 

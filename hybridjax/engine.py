@@ -469,6 +469,7 @@ class Engine:
         submitted meanwhile wait in the queue. `progress`: a log line per program at INFO."""
         if self._thread is None:
             _STARTED.add(self)
+            self._cancel.clear()
             self._running = True
             self._thread = self._worker = threading.Thread(target=self._loop, args=(warmup, progress),
                                                            name="hybridjax-engine", daemon=True)
@@ -628,11 +629,10 @@ class Engine:
         shape = next((s for s in fits if self.programs.has(s)), None)
         if shape is None:
             shape = fits[0]
-            if self._compiler is not None and self._compiler.is_alive():
-                self._behind.appendleft(shape)  # next in line (a shape compiled twice is only 'present')
-                self.programs.wait_for(shape)
-            else:
-                self.programs.ensure(shape)
+            self._behind.appendleft(shape)  # next in line (a shape compiled twice is only 'present')
+            while not self.programs.wait_for(shape, 0.5):
+                if self._compiler is None or not self._compiler.is_alive():  # nothing compiles behind
+                    self.programs.ensure(shape)
         return prompt_logprobs(self.params, prompt_ids, self.cfg, sp, top, bucket=shape[2],
                                scorer=self.programs.get(shape), empty_cache=self._empty_score_cache(shape[2]))
 
