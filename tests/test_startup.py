@@ -230,3 +230,17 @@ def test_an_interrupt_during_start_up_stops_at_once(tmp_path, sig):
     assert seconds < 3.0, (seconds, lines)
     assert code != 0 and (code == 130 if sig == signal.SIGINT else code in (-signal.SIGTERM, 128 + signal.SIGTERM))
     assert not any("Traceback" in line or "terminate called" in line for line in lines), lines
+
+
+def test_generate_keeps_compiled_programs_and_says_so_once(tmp_path):
+    """`hybridjax generate` uses the compile cache: a first run says, once, that it compiles; a
+    second run on the same cache says nothing of it and gives the same tokens."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, "-m", "hybridjax.cli", "generate", "--token-ids", "1,2,3", "--max-new-tokens", "3",
+           "--json", "--compile-cache-dir", str(tmp_path)]
+    first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    second = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert first.returncode == second.returncode == 0, first.stderr + second.stderr
+    assert first.stderr.count("hybridjax: compiling the model's programs") == 1, first.stderr
+    assert "compiling" not in second.stderr, second.stderr
+    assert first.stdout == second.stdout and any(tmp_path.iterdir())
