@@ -1,6 +1,6 @@
 """Start-up as a user meets it: `hybridjax serve` in a subprocess, cold and warm, driven over HTTP.
 
-    python benchmarks/bench_startup.py [--model DIR] [--max-len N] [--json OUT]
+    python benchmarks/bench_startup.py [--model DIR] [--max-len N] [--code CHECKOUT --ready-only] [--json OUT]
 
 For the model (default: the embedded default model), two launches on one fresh compile-cache
 directory: cold (empty: every program compiles) and warm (a restart: executables load from
@@ -11,7 +11,8 @@ and, for each kind of request, its first time against a later one (the buckets i
 still be compiling behind: it runs on a compiled larger or smaller one): short chat, long prompt
 (~600 tokens), 4 concurrent requests, exact repeat, echo + logprobs. Every response is checked
 against the cold run's (greedy: same tokens). The load average is printed beside the figures:
-on a shared machine other jobs slow compiling most.
+on a shared machine other jobs slow compiling most. `--code` runs another checkout's server (an
+earlier commit, for a before/after on the same machine); `--ready-only`: launch figures only.
 """
 
 from __future__ import annotations
@@ -47,13 +48,13 @@ def free_port() -> int:
 class Served:
     """One `hybridjax serve` launch; `ready`: seconds from launch to /health 200."""
 
-    def __init__(self, model: str | None, cache: Path, max_len: int, log: Path):
+    def __init__(self, model: str | None, cache: Path, max_len: int, log: Path, code: Path = ROOT):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "hybridjax.cli", "serve", "--port", str(self.port), "--compile-cache-dir",
                str(cache), "--max-len", str(max_len)] + (["--model", model] if model else [])
         self.t0 = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
+        self.proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(code)}, stdout=subprocess.DEVNULL,
                                      stderr=log.open("w"))
         self.client = httpx.Client(timeout=3600)
         while True:
@@ -110,13 +111,13 @@ def kinds() -> dict:
             "echo + logprobs": echo}
 
 
-def run(model: str | None, cache: Path, max_len: int, name: str, logs: Path) -> dict:
-    s = Served(model, cache, max_len, logs / f"{name}.log")
+def run(model: str | None, cache: Path, max_len: int, name: str, logs: Path, code: Path, ready_only: bool) -> dict:
+    s = Served(model, cache, max_len, logs / f"{name}.log", code)
     try:
         chat = kinds()["short chat"]
         chat(s, 0)
         out = {"ready": s.ready, "first answer": time.perf_counter() - s.t0, "load": load(), "kinds": {}}
-        for kind, fn in kinds().items():
+        for kind, fn in ({} if ready_only else kinds()).items():
             times, answers = [], []
             for i in (0, 1):
                 t = time.perf_counter()
@@ -136,20 +137,23 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="model directory (default: the embedded default model)")
     ap.add_argument("--max-len", type=int, default=4096)
+    ap.add_argument("--code", type=Path, default=ROOT, help="the checkout whose server runs (default: this one)")
+    ap.add_argument("--ready-only", action="store_true", help="launch figures only, no request kinds")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     print(f"load average at start: {load()}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         cache, logs = Path(tmp) / "cache", Path(tmp)
-        res = {"cold": run(args.model, cache, args.max_len, "cold", logs)}
+        res = {"cold": run(args.model, cache, args.max_len, "cold", logs, args.code, args.ready_only)}
         print(f"cold: ready {res['cold']['ready']:.1f} s", flush=True)
-        res["warm"] = run(args.model, cache, args.max_len, "warm", logs)
+        res["warm"] = run(args.model, cache, args.max_len, "warm", logs, args.code, args.ready_only)
         print(f"warm: ready {res['warm']['ready']:.1f} s", flush=True)
         print("".join(line for line in (logs / "warm.log").read_text().splitlines(True) if "start-up" in line))
     for kind in res["cold"]["kinds"]:
         a, b = res["cold"]["kinds"][kind]["answers"], res["warm"]["kinds"][kind]["answers"]
         assert a == b, f"{kind}: the warm server answered otherwise: {a} vs {b}"
-    print(f"\nmodel: {args.model or 'the embedded default'}, --max-len {args.max_len}; load average at end: {load()}")
+    print(f"\ncode: {args.code}; model: {args.model or 'the embedded default'}, --max-len {args.max_len}; "
+          f"load average at end: {load()}")
     print("\n| launch | ready (/health 200) | first answer | load average |\n|---|---:|---:|---|")
     for k in ("cold", "warm"):
         r = res[k]
