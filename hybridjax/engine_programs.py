@@ -56,15 +56,16 @@ def abstract(tree):
 
 @functools.lru_cache(maxsize=None)
 def source_digest() -> str:
-    """sha256 over this package's Python sources (and the kernels beside it): changed code makes
-    different programs."""
+    """sha256 over the sources the programs are made of: the package's Python files and the
+    kernels' (hybridjax.pallas_kernels, inside the package when installed, beside it in a
+    checkout). Changed code makes different programs; tests, benchmarks and docs do not count."""
     import hybridjax
 
+    package = Path(hybridjax.__file__).resolve().parent
+    roots = [package] + [r / "pallas_kernels" for r in map(Path, hybridjax.__path__) if r.resolve() != package]
     h = hashlib.sha256()
-    for root in sorted({Path(p).resolve() for p in hybridjax.__path__}):
-        for f in sorted(root.rglob("*.py")):
-            if "conversion" in f.relative_to(root).parts:
-                continue
+    for root in roots:
+        for f in sorted(root.rglob("*.py")) if root.is_dir() else ():
             h.update(str(f.relative_to(root)).encode())
             h.update(f.read_bytes())
     return h.hexdigest()
