@@ -148,7 +148,7 @@ def main(argv=None) -> int:
         print(f"cold: ready {res['cold']['ready']:.1f} s", flush=True)
         res["warm"] = run(args.model, cache, args.max_len, "warm", logs, args.code, args.ready_only)
         print(f"warm: ready {res['warm']['ready']:.1f} s", flush=True)
-        print("".join(line for line in (logs / "warm.log").read_text().splitlines(True) if "start-up" in line))
+        print("".join(line for line in (logs / "warm.log").read_text().splitlines(True) if "start-up" in line or "serving" in line))
     for kind in res["cold"]["kinds"]:
         a, b = res["cold"]["kinds"][kind]["answers"], res["warm"]["kinds"][kind]["answers"]
         assert a == b, f"{kind}: the warm server answered otherwise: {a} vs {b}"
