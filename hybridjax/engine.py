@@ -395,6 +395,7 @@ class Engine:
         self._worker: threading.Thread | None = None  # the last worker started (kept after stop)
         self.startup: dict = {}  # how start-up went: seconds, programs loaded / compiled
         self._score_caches: dict = {}  # length -> an empty cache for the prompt scorer
+        self._compiled_only = False  # run only shapes whose program exists (`_has`)
         self._reset_device()
         self.programs: programs.ProgramSet | None = None
         if calls is None:
@@ -749,6 +750,7 @@ class Engine:
         self.warmup(progress, self.covering_shapes())
         if self._cancel.is_set():
             return
+        self._compiled_only = all(self.programs.has(s) for s in self.covering_shapes())  # (a replaced warm-up: no)
         rest = [s for s in self.background_shapes() if not self.programs.has(s)]
         loaded, compiled, seconds = (now - then for now, then in zip(
             (counters["loaded"], counters["compiled"], counters["compile_seconds"]), before))
@@ -880,14 +882,20 @@ class Engine:
     def _setup(self, state, row, gdn, logits, length, req: GenerationRequest):
         return self.calls.setup_row(state, np.int32(row), gdn, logits, *request_row_args(self.cfg, req, length))
 
-    def _ready_buckets(self, name: str, tokens: int) -> list[int]:
-        """The decode buckets whose program exists (all of them for jitted calls)."""
+    def _has(self):
+        """Which shapes the loop may run: after a warm-up start, those whose program exists; else
+        (jitted calls, or an engine started without warm-up: it compiles as it goes) all."""
         has = getattr(self.calls, "has", None)
+        return has if self._compiled_only else None
+
+    def _ready_buckets(self, name: str, tokens: int) -> list[int]:
+        """The decode buckets whose program exists (`_has`)."""
+        has = self._has()
         return [r for r in self.decode_buckets if has is None or has((name, r, tokens))]
 
     def _ready_prefill(self) -> dict[int, list[int]]:
-        """rows -> the chunk widths (ascending) whose prefill program exists."""
-        has = getattr(self.calls, "has", None)
+        """rows -> the chunk widths (ascending) whose prefill program exists (`_has`)."""
+        has = self._has()
         out: dict[int, list[int]] = {}
         for name, r, t in self.shapes():
             if name == "prefill" and (has is None or has((name, r, t))):

@@ -89,7 +89,8 @@ def environment() -> str:
     devices = jax.devices()
     return repr((jax.__version__, jaxlib.__version__, jax.default_backend(), len(devices),
                  sorted({d.device_kind for d in devices}), jax.process_count(), cpu_flags(),
-                 os.environ.get("XLA_FLAGS", ""), platform.python_version(), source_digest()))
+                 os.environ.get("XLA_FLAGS", ""), platform.python_version(), source_digest(),
+                 {k: v for k, v in os.environ.items() if k.startswith("HYBRIDJAX_CPU_")}))
 
 
 def program_key(cfg, params, state, settings: dict) -> str:
@@ -162,6 +163,9 @@ class ProgramSet:
             return None
         from jax.experimental.serialize_executable import deserialize_and_load
 
+        from hybridjax import cpu_kernels
+
+        cpu_kernels.available()  # registers the CPU kernel's FFI targets, which the programs may call
         try:
             data = path.read_bytes()
             body = data[len(_MAGIC) + 32:]
