@@ -54,7 +54,7 @@ class Served:
         cmd = [sys.executable, "-m", "hybridjax.cli", "serve", "--port", str(self.port), "--compile-cache-dir",
                str(cache), "--max-len", str(max_len)] + (["--model", model] if model else [])
         self.t0 = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(code)}, stdout=subprocess.DEVNULL,
+        self.proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(code)}, cwd=code, stdout=subprocess.DEVNULL,
                                      stderr=log.open("w"))
         self.client = httpx.Client(timeout=3600)
         while True:
