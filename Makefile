@@ -21,6 +21,7 @@ JAX011_VERSION := 0.11.2
 .PHONY: run test test-jax010 test-jax011 test-quick notebooks install install-test gpu-check gpu-check-dry-run clean
 
 $(RUNTIME): pyproject.toml setup.py hybridjax/cpu_kernels/matmul.cc
+	@echo "make: installing the runtime into $(VENV) (first time only, about a minute)"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# jax first: the C++ extension (hybridjax/cpu_kernels) compiles against jaxlib's FFI headers;
@@ -52,7 +53,10 @@ install-test: $(TESTENV)
 
 # The main job: the OpenAI-compatible server on http://127.0.0.1:8000, serving the embedded
 # default model (shipped in hybridjax/default_model/weights). MODEL=dir serves another model.
+# It says what it does: loading, compiling n/N (a first run; later runs load the compiled
+# programs), ready; its last line at start-up is the URL, printed once the server answers.
 run: $(RUNTIME)
+	@echo "make: starting the server (a first run compiles for a while; later runs are ready in seconds)"
 	$(BIN)/hybridjax serve $(if $(MODEL),--model $(MODEL))
 
 # Both JAX lines: the full suite on Python 3.11 + JAX 0.10, then the torch-free tests that catch

@@ -8,8 +8,9 @@ full attention, 8 q / 2 kv heads of 128, linear heads 8 k / 16 v of 64, intermed
 32000-token word-level tokenizer, and measures, with streaming /v1/completions requests whose
 prompts are token ids (greedy, so every server gives the same tokens):
 
-  startup   seconds from launching `hybridjax serve` to /health answering 200 (every shape is
-            compiled before), with an empty compilation cache directory and again with it warm.
+  startup   seconds from launching `hybridjax serve` to /health answering 200 (the covering
+            programs exist, the rest compile behind), with an empty compilation cache directory
+            and again with it warm (executables loaded); benchmarks/bench_startup.py says more.
   kinds     time to first token (TTFT) of each kind of request, the first time after start and a
             later time (each time on other random tokens): cold 1500-token prompt; turn 2 (the
             1500-token prompt + its 64-token response + 50 new tokens); exact repeat of a prompt;

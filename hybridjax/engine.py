@@ -20,13 +20,20 @@ slot's recurrent state, sampler and logits, and the KV page pool) and the host b
 So a running stream waits at most one prefill chunk for a long prompt, and the host's work
 overlaps the device's. With `speculative_tokens` K, step 3 is a speculative step
 (`engine_steps.spec_decode`: K drafts of the MTP head verified in one forward), and a row
-delivers 1 to K + 1 tokens per step (docs/architecture.md, "Speculative decoding in the engine"). Every shape the loop runs is compiled by `warmup` before serving.
+delivers 1 to K + 1 tokens per step (docs/architecture.md, "Speculative decoding in the engine").
+
+Every shape the loop runs is an executable of `hybridjax.engine_programs`, compiled ahead or
+loaded from disk; a live request never compiles. Started with `warmup`, the engine serves as soon
+as a covering set exists (`covering_shapes`: one decode bucket, the smallest prefill chunk, the
+per-request helpers) and compiles the rest behind, in a thread; until a bucket exists, its work
+runs padded to a larger compiled bucket or split into smaller chunks.
 Requests are independent rows: greedy output does not depend on the batch or on cache hits.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import functools
 import itertools
@@ -34,15 +41,17 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections import Counter, deque
 from typing import AsyncIterator, Iterator, Sequence
 
 import jax
 import numpy as np
 
+from hybridjax import engine_programs as programs
 from hybridjax import engine_steps as steps
 from hybridjax.config import Config
-from hybridjax.generate import length_bucket
+from hybridjax.generate import length_bucket, score_inputs
 from hybridjax.pages import DEFAULT_PAGE_SIZE, PagePool, PoolExhausted, page_bytes, pages_for
 from hybridjax.params import Params
 from hybridjax.prefix_cache import SnapshotStore, checkpoint_positions
@@ -53,6 +62,18 @@ from hybridjax.tokenizer import StreamDecoder, Tokenizer
 log = logging.getLogger(__name__)
 
 _WARMUP_LOCK = threading.Lock()
+_STARTED: "weakref.WeakSet[Engine]" = weakref.WeakSet()  # engines whose threads may be compiling
+
+
+@atexit.register
+def _end_compiles() -> None:
+    """XLA aborts a process that finalizes while another thread compiles: at exit, cancel the
+    engines' compiling and wait for the compile under way (a process in a hurry leaves by
+    os._exit, as the server's CLI does on an interrupt)."""
+    for eng in list(_STARTED):
+        eng._cancel.set()
+        for t in eng._compiling_threads():
+            t.join()
 SHARE_MIN_TOKENS = 16  # a request waits for another's shared-prefix snapshot only past this many tokens
 
 
@@ -268,6 +289,30 @@ def _buckets(n: int, cap: int | None = None) -> list[int]:
     return sorted(set(out + [top]))
 
 
+def _powers(lo: int, hi: int) -> list[int]:
+    """lo, 2 lo, 4 lo, ... up to hi."""
+    out = [lo]
+    while out[-1] * 2 <= hi:
+        out.append(out[-1] * 2)
+    return out
+
+
+def request_row_args(cfg: Config, req: "GenerationRequest", length: int = 0) -> tuple:
+    """What `engine_steps.setup_row` takes after (state, row, gdn, logits) for a request whose
+    row starts at `length` cached tokens: length, sampling parameters, seed, seen tokens,
+    budget, stop ids, wants log-probabilities."""
+    sp = sampling_params(1, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                         repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+                         frequency_penalty=req.frequency_penalty)
+    seen = np.zeros((cfg.vocab_size,), bool)
+    seen[np.asarray(req.prompt_ids)] = True
+    stops = np.full((steps.MAX_STOPS,), -1, np.int32)
+    ids = list(dict.fromkeys(req.stop_ids))[: steps.MAX_STOPS]
+    stops[: len(ids)] = ids
+    return (np.int32(length), sp, np.uint32(req.seed % 2**32), seen, np.int32(req.max_tokens), stops,
+            np.bool_(req.logprobs is not None))
+
+
 def _bucket(n: int, buckets: Sequence[int]) -> int:
     return next(b for b in buckets if b >= n)
 
@@ -297,10 +342,12 @@ class Engine:
                  max_len: int = 4096, store: SnapshotStore | None = None, checkpoint_interval: int = 0,
                  max_queue: int = 64, page_size: int = DEFAULT_PAGE_SIZE, num_pages: int | None = None,
                  prefill_chunk: int = 256, prefill_rows: int = 4, speculative_tokens: int = 0,
-                 speculative_adaptive: bool = False, calls=None):
-        """`calls`: where the jitted steps come from, `hybridjax.engine_steps` unless given; every
+                 speculative_adaptive: bool = False, calls=None, executable_dir: str | None = None):
+        """`calls`: where the steps come from; by default the executables of this configuration
+        (`engine_programs.CompiledCalls`), kept on disk under `executable_dir` when given. Every
         device program the engine runs goes through it (the seam a multi-process server uses to
-        replay process 0's steps on the others: hybridjax.multihost)."""
+        replay process 0's steps on the others: hybridjax.multihost, whose calls are jitted
+        functions compiled by running them)."""
         if slots < 1 or max_len < 2:
             raise ValueError("engine: slots must be >= 1 and max_len >= 2")
         if prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
@@ -344,7 +391,36 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._running = False
         self.ready = threading.Event()  # set once the worker serves (after any warm-up)
+        self.served = False  # it was ready once (its state is worth saving)
+        self._cancel = threading.Event()  # stop compiling (the engine stops)
+        self._behind: deque[tuple] = deque()  # shapes the compile thread does next, in order
+        self._compiler: threading.Thread | None = None
+        self._worker: threading.Thread | None = None  # the last worker started (kept after stop)
+        self.startup: dict = {}  # how start-up went: seconds, programs loaded / compiled
+        self._score_caches: dict = {}  # length -> an empty cache for the prompt scorer
+        self._compiled_only = False  # run only shapes whose program exists (`_has`)
         self._reset_device()
+        self.programs: programs.ProgramSet | None = None
+        if calls is None:
+            self.programs = self._program_set(executable_dir)
+            self.calls = programs.CompiledCalls(self.programs)
+
+    def _program_set(self, directory) -> "programs.ProgramSet":
+        params, state = programs.abstract(self.params), programs.abstract(self._state)
+        settings = dict(slots=self.slots, num_pages=self.pool.num_pages, page_size=self.pool.page_size,
+                        pages_per_row=self.pages_per_row, prefill_chunk=self.prefill_chunk, max_len=self.max_len,
+                        prefill_buckets=tuple(self.prefill_buckets), decode_buckets=tuple(self.decode_buckets),
+                        speculative_tokens=self.speculative_tokens, implementation=self.implementation)
+        lowerers = programs.engine_lowerers(
+            self.cfg, params, state, slots=self.slots, pages_per_row=self.pages_per_row, num_pages=self.pool.num_pages,
+            implementation=self.implementation, speculative_tokens=self.speculative_tokens,
+            row_args=programs.abstract(request_row_args(self.cfg, GenerationRequest([0], 1))))
+        # the prompt-scoring programs (echo with logprobs: `prompt_logprobs`), by padded length
+        from hybridjax.generate import SCORE_CHUNK, _prompt_logprobs
+
+        lowerers["score"] = lambda r, t: _prompt_logprobs.lower(params, *score_inputs(params, t, self.cfg),
+                                                                self.cfg, SCORE_CHUNK)
+        return programs.program_set(programs.program_key(self.cfg, params, state, settings), lowerers, directory)
 
     def _reset_device(self) -> None:
         self._state = self.calls.init_state(self.cfg, self.slots, self.pool.num_pages, self.pool.page_size, self.dtype,
@@ -392,23 +468,41 @@ class Engine:
         return handle
 
     def start(self, warmup: bool = False, progress: bool = False) -> "Engine":
-        """Start the worker thread; with `warmup` it first compiles every shape (`ready` is set
-        when it serves; requests submitted meanwhile wait in the queue)."""
+        """Start the worker thread; with `warmup` it first has the covering programs (compiled or
+        loaded from disk), sets `ready` and serves while the rest compile behind; requests
+        submitted meanwhile wait in the queue. `progress`: a log line per program at INFO."""
         if self._thread is None:
+            _STARTED.add(self)
+            self._cancel.clear()
             self._running = True
-            self._thread = threading.Thread(target=self._loop, args=(warmup, progress), name="hybridjax-engine",
-                                            daemon=True)
+            self._thread = self._worker = threading.Thread(target=self._loop, args=(warmup, progress),
+                                                           name="hybridjax-engine", daemon=True)
             self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = True) -> None:
+        """Stop the worker and any compiling. A compile under way cannot be interrupted: with
+        `wait` this waits for it to end; without, a thread still compiling is left to end by
+        itself (a daemon thread: a process that exits now must leave by `os._exit`, as the CLI
+        does, since XLA aborts a process that finalizes beside a running compile)."""
+        self._cancel.set()
         with self._wake:
             self._running = False
             self._wake.notify()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        for t in (self._thread, self._compiler):
+            if t is not None and t is not threading.current_thread():
+                t.join(None if wait or (t is self._thread and self.ready.is_set()) else 1.0)
+        self._thread = None
         self.ready.clear()
+
+    @property
+    def compiling(self) -> bool:
+        """A thread of this engine is still compiling (start-up or behind)."""
+        return bool(self._compiling_threads())
+
+    def _compiling_threads(self) -> list[threading.Thread]:
+        starting = self._worker if not self.served else None  # the worker compiles before it serves
+        return [t for t in (self._compiler, starting) if t is not None and t.is_alive()]
 
     @property
     def queue_depth(self) -> int:
@@ -436,22 +530,131 @@ class Engine:
         out = [("spec_decode", r, k + 1) for r in self.decode_buckets] if k else []
         if not k or self._policy is not None:
             out += [("decode", r, 1) for r in self.decode_buckets]
-        out += [("sample_first", r, 0) for r in self.decode_buckets]
+        out += [("sample_first", 1, 0)]  # an exact hit is admitted, and draws, alone
         t = 16
         while t <= self.prefill_chunk:
             out += [("prefill", r, t) for r in self.prefill_buckets if r * t <= self.prefill_chunk]
             t *= 2
         return out + [("setup_row", 1, 0), ("setup_row_snapshot", 1, 0), ("read_row", 1, 0), ("copy_page", 1, 0)]
 
-    def warmup(self, progress: bool = False) -> float:
-        """Compile every shape the loop can run (on padding rows: nothing changes), so that no
-        request waits for XLA. Call before `start`. Returns the seconds it took. One engine of a
-        process warms up at a time: engines of one model share the programs, so the second finds
-        them compiled instead of compiling them again beside the first."""
-        with _WARMUP_LOCK:
-            return self._warmup(progress)
+    def covering_shapes(self) -> list[tuple]:
+        """The fewest programs that serve every request correctly: the largest decode bucket (any
+        batch pads to it), one row's smallest prefill chunk (any prompt splits into such chunks),
+        the first draw of an exact hit and the per-request helpers. What `start(warmup=True)`
+        has before it serves; the rest compile behind."""
+        top = self.decode_buckets[-1]
+        k = self.speculative_tokens
+        out = [("spec_decode", top, k + 1)] if k else []
+        if not k or self._policy is not None:
+            out.append(("decode", top, 1))
+        out += [("prefill", 1, 16), ("sample_first", 1, 0)]
+        return out + [s for s in self.shapes() if s[0] in ("setup_row", "setup_row_snapshot", "read_row", "copy_page")]
 
-    def _warmup(self, progress: bool) -> float:
+    def score_shapes(self) -> list[tuple]:
+        """The prompt-scoring programs (`prompt_logprobs`): one per padded length up to max_len."""
+        return [("score", 1, t) for t in _powers(16, length_bucket(self.max_len))]
+
+    def background_shapes(self) -> list[tuple]:
+        """What compiles behind, the most useful first: smaller decode buckets, longer one-row
+        prefill chunks (fewer calls per prompt), the scoring programs, prefills of several rows."""
+        have = set(self.covering_shapes())
+        rest = [s for s in self.shapes() + self.score_shapes() if s not in have]
+        order = {"decode": 0, "spec_decode": 0, "prefill": 1, "score": 2}
+        return sorted(rest, key=lambda s: (order.get(s[0], 0) + (s[0] == "prefill" and s[1] > 1) * 2,
+                                           -s[2] if s[0] == "prefill" else s[2], s[1]))
+
+    def warmup(self, progress: bool = False, shapes: Sequence[tuple] | None = None) -> float:
+        """Compile (or load from disk) every shape the loop can run (`shapes`: these only), so that
+        no request waits for XLA. Call before `start`. Returns the seconds it took. One engine of a
+        process warms up at a time: engines of one configuration share the programs, so the
+        second finds them compiled instead of compiling them again beside the first."""
+        with _WARMUP_LOCK:
+            if self.programs is None:
+                return self._warmup_by_running(progress)
+            return self._prepare(list(shapes or self.shapes()), progress)
+
+    def _prepare(self, shapes: list[tuple], progress: bool) -> float:
+        """Have `shapes` compiled or loaded, one log line each (at INFO with `progress`), with
+        the time left estimated from the compiles so far; stops early when the engine stops."""
+        t0 = time.perf_counter()
+        done = {"loaded": 0, "compiled": 0, "present": 0}
+        spent = 0.0  # seconds compiling (loading is quick)
+        for i, shape in enumerate(shapes, 1):
+            if self._cancel.is_set():
+                break
+            t = time.perf_counter()
+            how = self.programs.ensure(shape)
+            done[how] += 1
+            spent += (time.perf_counter() - t) * (how == "compiled")
+            left = len(shapes) - i
+            eta = f", about {spent / done['compiled'] * left:.0f} s left" if done["compiled"] and left else ""
+            level = logging.INFO if progress and how == "compiled" else logging.DEBUG  # a load is quick: no news
+            log.log(level, "start-up: %d/%d %s %s in %.1f s%s", i, len(shapes),
+                    programs.shape_name(shape), how, time.perf_counter() - t, eta)
+        seconds = time.perf_counter() - t0
+        self.startup = dict(seconds=seconds, programs=len(shapes), **done)
+        return seconds
+
+    def _compile_behind(self, shapes: list[tuple]) -> None:
+        """Compile `shapes` in a thread while the engine serves (`prompt_logprobs` may move one
+        to the front); a request meanwhile runs on a larger compiled bucket or in smaller calls."""
+        self._behind.extend(shapes)
+        if not shapes:
+            return
+
+        def run():
+            t0, n = time.perf_counter(), 0
+            while not self._cancel.is_set():
+                try:
+                    shape = self._behind.popleft()
+                except IndexError:
+                    break
+                try:
+                    n += self.programs.ensure(shape) != "present"
+                except Exception:  # that bucket stays missing: its requests keep using the others
+                    log.exception("compiling %s failed", programs.shape_name(shape))
+            if n and not self._cancel.is_set():  # DEBUG: the URL stays the last line a user sees
+                log.debug("start-up: the other %d programs are ready too (%.1f s behind, %d loaded, %d compiled)", n,
+                         time.perf_counter() - t0, self.programs.counters["loaded"], self.programs.counters["compiled"])
+
+        self._compiler = threading.Thread(target=run, name="hybridjax-compile", daemon=True)
+        self._compiler.start()
+
+    def prompt_logprobs(self, prompt_ids: Sequence[int], sp=None, top: int = 0) -> list[tuple[float, tuple]]:
+        """`generate.prompt_logprobs` on a compiled scoring program: the smallest compiled length
+        bucket that holds the prompt (padding on the right changes no position's score). Before
+        one exists the compile thread does the one that fits next, and this waits for it: the
+        caller's thread never compiles (unless the engine compiles nothing ahead: no warm-up)."""
+        from hybridjax.generate import prompt_logprobs
+
+        fits = [s for s in self.score_shapes() if s[2] >= len(prompt_ids)]
+        if self.programs is None or not fits or len(prompt_ids) < 2:
+            return prompt_logprobs(self.params, prompt_ids, self.cfg, sp, top)
+        shape = next((s for s in fits if self.programs.has(s)), None)
+        if shape is None:
+            shape = fits[0]
+            self._behind.appendleft(shape)  # next in line (a shape compiled twice is only 'present')
+            while not self.programs.wait_for(shape, 0.5):
+                if self._compiler is None or not self._compiler.is_alive():  # nothing compiles behind
+                    self.programs.ensure(shape)
+        return prompt_logprobs(self.params, prompt_ids, self.cfg, sp, top, bucket=shape[2],
+                               scorer=self.programs.get(shape), empty_cache=self._empty_score_cache(shape[2]))
+
+    def _empty_score_cache(self, t: int):
+        """An empty cache of t positions for the scorer, made from host zeros (`init_cache` would
+        compile its jnp.zeros), once per length."""
+        cache = self._score_caches.get(t)
+        if cache is None:
+            from hybridjax.cache import init_cache
+
+            shapes = jax.eval_shape(lambda: init_cache(self.cfg, 1, t, self.dtype, capacity=t))
+            cache = self._score_caches[t] = jax.tree_util.tree_map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype)),
+                                                                   shapes)
+        return cache
+
+    def _warmup_by_running(self, progress: bool) -> float:
+        """Warm-up for calls that are jitted functions (hybridjax.multihost): run every shape
+        once on padding rows (nothing changes), which compiles it."""
         from tqdm import tqdm
 
         t0 = time.perf_counter()
@@ -504,7 +707,10 @@ class Engine:
     # --- the loop (engine thread) ----------------------------------------------------
     def _loop(self, warmup: bool = False, progress: bool = False) -> None:
         if warmup:
-            self.warmup(progress)
+            self._start_up(progress)
+            if self._cancel.is_set():
+                return
+        self.served = True
         self.ready.set()
         ttl = self.store.ttl_s if self.store is not None else None
         tick = min(5.0, max(ttl / 2, 0.05)) if ttl else None  # TTL runs on a timer too, not only on lookups
@@ -533,6 +739,28 @@ class Engine:
             if slot is not None:
                 self._close(slot, "cancelled")
                 self._free(slot)
+
+    def _start_up(self, progress: bool) -> None:
+        """Have the covering set (loaded or compiled), then compile the rest behind; one line
+        says how long it took and why."""
+        t0 = time.perf_counter()
+        if self.programs is None:
+            self.warmup(progress)
+            log.info("start-up: ready in %.1f s (compiled %d programs)", time.perf_counter() - t0, len(self.shapes()))
+            return
+        counters = self.programs.counters
+        before = (counters["loaded"], counters["compiled"], counters["compile_seconds"])
+        self.warmup(progress, self.covering_shapes())
+        if self._cancel.is_set():
+            return
+        self._compiled_only = all(self.programs.has(s) for s in self.covering_shapes())  # (a replaced warm-up: no)
+        rest = [s for s in self.background_shapes() if not self.programs.has(s)]
+        loaded, compiled, seconds = (now - then for now, then in zip(
+            (counters["loaded"], counters["compiled"], counters["compile_seconds"]), before))
+        self.startup.update(ready_s=time.perf_counter() - t0, loaded=loaded, compiled=compiled, behind=len(rest))
+        log.info("start-up: ready in %.1f s: %d programs loaded from disk, %d compiled (%.1f s)%s",
+                 self.startup["ready_s"], loaded, compiled, seconds, f"; {len(rest)} more compile behind" if rest else "")
+        self._compile_behind(rest)
 
     def _fail_all(self, error: Exception) -> None:
         """Fail every running request and start over with a fresh device state: a failed step may
@@ -662,16 +890,27 @@ class Engine:
         return True
 
     def _setup(self, state, row, gdn, logits, length, req: GenerationRequest):
-        sp = sampling_params(1, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-                             repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
-                             frequency_penalty=req.frequency_penalty)
-        seen = np.zeros((self.cfg.vocab_size,), bool)
-        seen[np.asarray(req.prompt_ids)] = True
-        stops = np.full((steps.MAX_STOPS,), -1, np.int32)
-        ids = list(dict.fromkeys(req.stop_ids))[: steps.MAX_STOPS]
-        stops[: len(ids)] = ids
-        return self.calls.setup_row(state, np.int32(row), gdn, logits, np.int32(length), sp, np.uint32(req.seed % 2**32),
-                               seen, np.int32(req.max_tokens), stops, np.bool_(req.logprobs is not None))
+        return self.calls.setup_row(state, np.int32(row), gdn, logits, *request_row_args(self.cfg, req, length))
+
+    def _has(self):
+        """Which shapes the loop may run: after a warm-up start, those whose program exists; else
+        (jitted calls, or an engine started without warm-up: it compiles as it goes) all."""
+        has = getattr(self.calls, "has", None)
+        return has if self._compiled_only else None
+
+    def _ready_buckets(self, name: str, tokens: int) -> list[int]:
+        """The decode buckets whose program exists (`_has`)."""
+        has = self._has()
+        return [r for r in self.decode_buckets if has is None or has((name, r, tokens))]
+
+    def _ready_prefill(self) -> dict[int, list[int]]:
+        """rows -> the chunk widths (ascending) whose prefill program exists (`_has`)."""
+        has = self._has()
+        out: dict[int, list[int]] = {}
+        for name, r, t in self.shapes():
+            if name == "prefill" and (has is None or has((name, r, t))):
+                out.setdefault(r, []).append(t)
+        return {r: sorted(ts) for r, ts in out.items()}
 
     def _alloc(self, n: int, keep=None) -> list[int] | None:
         """n fresh pages, evicting snapshots by the store's policy (never `keep`) if the pool is short."""
@@ -701,10 +940,13 @@ class Engine:
         if not live:
             return
         live.sort(key=lambda x: x[:2])  # oldest first, background work last
-        n = max(r for r in self.prefill_buckets if r <= len(live))  # rows this call: a whole bucket
-        cap = self.prefill_chunk // n  # tokens per row: a long prompt shares the budget with short ones
+        widths = self._ready_prefill()  # rows -> compiled chunk widths
+        n = max(r for r in widths if r <= len(live))  # rows this call: a whole bucket
+        # tokens per row: a long prompt shares the budget with short ones, in chunks compiled
+        cap = min(self.prefill_chunk // n, widths[n][-1])
         chosen = [(row, slot, min(slot.cuts[0], slot.pos + cap) - slot.pos) for _, _, row, slot in live[:n]]
-        width = length_bucket(max(c for _, _, c in chosen))
+        need = length_bucket(max(c for _, _, c in chosen))
+        width = next(t for t in widths[n] if t >= need)  # the smallest compiled width that holds it
         tokens = np.zeros((n, width), np.int32)
         counts = np.zeros((n,), np.int32)
         last = np.zeros((n,), bool)
@@ -827,8 +1069,11 @@ class Engine:
         if not rows:
             return None
         index = next(self._steps)
-        arr = self._rows_array(rows, self.decode_buckets)
+        arr = self._rows_array(rows, self._ready_buckets("spec_decode" if self.speculative_tokens else "decode",
+                                                         self.speculative_tokens + 1))
         draft = self.speculative_tokens > 0 and (self._policy is None or self._policy.draft(len(arr)))
+        if not draft and self.speculative_tokens:  # the adaptive policy's plain step: its own buckets
+            arr = self._rows_array(rows, self._ready_buckets("decode", 1))
         started = time.perf_counter()
         if draft:
             outputs, self._state = self.calls.spec_decode(self.params, self._state, arr, self._table_rows(arr), self.cfg,

@@ -147,23 +147,41 @@ def _prompt_logprobs(params, tokens, cache, sp, cfg, chunk):
 
 
 def prompt_logprobs(params: Params, prompt_ids: Sequence[int], cfg: Config, sp: SamplingParams | None = None,
-                    top: int = 0, chunk: int = SCORE_CHUNK) -> list[tuple[float, tuple]]:
+                    top: int = 0, chunk: int = SCORE_CHUNK, bucket: int | None = None,
+                    scorer=None, empty_cache: Cache | None = None) -> list[tuple[float, tuple]]:
     """For each prompt token after the first: (its log-probability given the tokens before it,
     the `top` most likely (id, logprob), best first), from one forward over the prompt, with the
     logits processed as the sampler's log-probabilities of generated tokens are (`sp`: one row of
     sampling parameters; default greedy, no penalties: the model's own distribution). `chunk`
-    (a power of two): positions whose vocabulary-wide logits are computed at once."""
+    (a power of two): positions whose vocabulary-wide logits are computed at once. `bucket`: the
+    padded length (a power of two >= the prompt's; default the smallest); `scorer`: a compiled
+    `_prompt_logprobs` for that bucket (the engine's programs), called without cfg and chunk;
+    `empty_cache`: an empty cache of that many positions to use (made without compiling)."""
     n = len(prompt_ids)
     if not 0 <= top <= MAX_SCORE_TOP:
         raise ValueError(f"prompt_logprobs: top must be in [0, {MAX_SCORE_TOP}], got {top}")
     if n < 2:
         return []
-    tokens, _ = pad_prompts([prompt_ids])
-    bucket = tokens.shape[1]
-    cache = init_cache(cfg, 1, bucket, params.embed.dtype, capacity=bucket, mesh=params.mesh)
-    sp = sampling_params(1) if sp is None else sp
-    lp, ids, tlp = (host_value(a) for a in _prompt_logprobs(params, jnp.asarray(tokens[0]), cache, sp, cfg, chunk))
+    tokens, cache, sp = score_inputs(params, prompt_ids, cfg, sp, bucket)
+    cache = cache if empty_cache is None else empty_cache
+    out = scorer(params, tokens, cache, sp) if scorer else _prompt_logprobs(params, tokens, cache, sp, cfg, chunk)
+    lp, ids, tlp = (host_value(a) for a in out)
     return [(float(lp[i]), tuple(zip(ids[i, :top].tolist(), tlp[i, :top].tolist()))) for i in range(n - 1)]
+
+
+def score_inputs(params: Params, prompt_ids: Sequence[int], cfg: Config, sp: SamplingParams | None = None,
+                 bucket: int | None = None):
+    """(tokens [T], an empty cache of T positions, sp) for `_prompt_logprobs` (T: `bucket`, or
+    the prompt's length bucket). Shape-only (ShapeDtypeStructs) when `prompt_ids` is an int T."""
+    if isinstance(prompt_ids, int):
+        t = prompt_ids
+        cache = jax.eval_shape(lambda: init_cache(cfg, 1, t, params.embed.dtype, capacity=t))
+        sp = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), sampling_params(1))
+        return jax.ShapeDtypeStruct((t,), np.int32), cache, sp
+    tokens, _ = pad_prompts([prompt_ids], bucket)
+    t = tokens.shape[1]
+    cache = None if bucket else init_cache(cfg, 1, t, params.embed.dtype, capacity=t, mesh=params.mesh)
+    return tokens[0], cache, sampling_params(1) if sp is None else sp
 
 
 # --- whole-call generate ---------------------------------------------------------------

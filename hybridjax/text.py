@@ -74,7 +74,11 @@ class Model:
 def load_model(path: str | Path | None = None, dtype: str | None = None) -> Model:
     """A Model from an HF model directory, a converted checkpoint or a Hugging Face Hub id
     ORG/NAME[@REVISION] (it needs a tokenizer.json), or the embedded default model when `path`
-    is None."""
+    is None. Its compiled programs are kept in the same cache as the CLI's
+    (`hybridjax.compile_cache`; HYBRIDJAX_COMPILE_CACHE=0: off), so only a first run compiles."""
+    from hybridjax.compile_cache import library_compile_cache
+
+    library_compile_cache()
     if path is None:
         from hybridjax.default_model import DEFAULT_NAME, default_model
 

@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import functools
 import gc
+import os
 import sys
 from pathlib import Path
+
+# The library turns the persistent compilation cache on (hybridjax.load_model); tests keep it off
+# (see _no_persistent_compile_cache).
+os.environ["HYBRIDJAX_COMPILE_CACHE"] = "0"
 
 import jax
 import pytest
@@ -37,6 +42,9 @@ def _release_compiled_programs():
     the next compile crashed (segfault or abort, seen in CI). Clearing frees the mappings; later
     modules recompile what they use."""
     yield
+    from hybridjax import engine_programs
+
+    engine_programs.clear_registry()  # the engines' executables (hybridjax.engine_programs)
     jax.clear_caches()
     gc.collect()
 

@@ -345,7 +345,8 @@ def test_cli_serve_passes_speculative_tokens(monkeypatch):
     import hybridjax.server
 
     seen = {}
-    monkeypatch.setattr(hybridjax.server, "serve", lambda sc, *a: seen.setdefault("sc", sc) and 0)
+    monkeypatch.setattr(hybridjax.server, "serve", lambda sc, *a, **kw: seen.setdefault("sc", sc) and 0)
+    monkeypatch.setattr(hybridjax.server.app, "bind", lambda host, port: None)  # the port may be taken here
     from types import SimpleNamespace as NS
 
     cfg, params = NS(num_hidden_layers=1, max_position_embeddings=64), NS(embed=NS(dtype="float32"))

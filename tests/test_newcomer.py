@@ -122,7 +122,8 @@ def test_serve_logs_the_model_its_size_and_load_time(monkeypatch, caplog):
     import hybridjax.server
 
     seen = {}
-    monkeypatch.setattr(hybridjax.server, "serve", lambda sc, cfg, params, tok, name: seen.update(name=name) or 0)
+    monkeypatch.setattr(hybridjax.server, "serve", lambda sc, cfg, params, tok, name, **kw: seen.update(name=name) or 0)
+    monkeypatch.setattr(hybridjax.server.app, "bind", lambda host, port: None)  # the port may be taken here
     with caplog.at_level(logging.INFO):
         assert cli.main(["serve", "--no-compile-cache", "--port", "8123"]) == 0
     assert seen["name"] == "hybridjax-default"

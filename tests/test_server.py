@@ -252,7 +252,8 @@ def test_health_says_loading_until_the_engine_serves():
     (cfg, params, tok), name = tiny_test_model(), TINY_NAME
     engine, _ = build_engine(ServerConfig(slots=4, max_len=512), cfg, params, tok, name)
     release = threading.Event()
-    engine.warmup = lambda progress=False: release.wait(60)  # a warm-up that takes until released
+    engine.warmup = lambda *a, **kw: release.wait(60)  # a warm-up that takes until released
+    engine.background_shapes = lambda: []  # and nothing to compile behind
     app = create_app(engine, name)
     from fastapi.testclient import TestClient
 

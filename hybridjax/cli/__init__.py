@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import signal
 import sys
 from pathlib import Path
@@ -107,28 +106,16 @@ PACK_HELP = ("with --dtype bfloat16 on one CPU device with AVX512_BF16: also kee
              "bf16 weight memory")
 
 
-def default_compile_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "hybridjax" / "jax"
-
-
 def use_compile_cache(directory: str | None, enabled: bool = True) -> None:
-    """Keep compiled XLA programs on disk between runs (JAX's persistent compilation cache), so
-    a second start skips compilation."""
-    if not enabled:
-        return
-    import jax
+    """Keep compiled programs on disk between runs (`hybridjax.compile_cache`)."""
+    from hybridjax.compile_cache import use_compile_cache as use
 
-    if directory is None and jax.config.jax_compilation_cache_dir:
-        return  # already set up (JAX_COMPILATION_CACHE_DIR, or by the caller): keep it
-    path = Path(directory) if directory else default_compile_cache_dir()
-    path.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # every program, even quick ones
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    use(directory, enabled)
 
 
 def _add_compile_cache(p) -> None:
+    from hybridjax.compile_cache import default_compile_cache_dir
+
     p.add_argument("--compile-cache-dir", help=f"where compiled programs are kept (default {default_compile_cache_dir()})")
     p.add_argument("--no-compile-cache", action="store_true", help="do not keep compiled programs between runs")
 
@@ -275,7 +262,9 @@ def _add_generate(sub) -> None:
 
 
 def cmd_serve(args) -> int:
+    from hybridjax.compile_cache import executable_dir
     from hybridjax.server import ServerConfig, serve
+    from hybridjax.server.app import bind
 
     sc = ServerConfig(
         host=args.host, port=args.port, slots=args.slots, max_len=args.max_len,
@@ -288,6 +277,7 @@ def cmd_serve(args) -> int:
         speculative_adaptive=args.speculative_adaptive, header_timeout_s=args.header_timeout,
         body_timeout_s=args.body_timeout, keep_alive_s=args.keep_alive, max_connections=args.max_connections,
     )
+
     multi = (args.num_processes or 1) > 1
     if multi and not args.mesh:
         raise CLIError("serve across processes needs --mesh (a mesh over every process's devices)")
@@ -301,8 +291,11 @@ def cmd_serve(args) -> int:
         from hybridjax.prefix_cache import DirectoryLock
 
         DirectoryLock(args.prefix_cache_dir).release()  # in use by another server: say so before loading the model
+    # The port before the model: one in use is an error now, not after loading and compiling.
+    sock = bind(args.host, args.port) if not multi or args.process_id == 0 else None
     init_distributed(args)
     use_compile_cache(args.compile_cache_dir, not args.no_compile_cache)
+    sc.executable_dir = str(executable_dir()) if executable_dir() and not args.no_compile_cache else None
     import logging
     import time
 
@@ -317,7 +310,7 @@ def cmd_serve(args) -> int:
              nbytes / 2**20, params.embed.dtype, cfg.num_hidden_layers, min(args.max_len, cfg.max_position_embeddings),
              time.perf_counter() - t0)
     if not multi:
-        return serve(sc, cfg, params, tok, name)
+        return serve(sc, cfg, params, tok, name, sock=sock)
     # Process 0 serves HTTP; the others replay its engine steps (hybridjax.multihost).
     from hybridjax import multihost
 
@@ -330,7 +323,7 @@ def cmd_serve(args) -> int:
     # die there, before `finally` tells the followers to stop.
     signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
-        return serve(sc, cfg, params, tok, name, calls=calls)
+        return serve(sc, cfg, params, tok, name, calls=calls, sock=sock)
     finally:
         calls.close()
 
@@ -383,7 +376,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--kv-mb", type=_positive_float, default=None, help="memory for the KV pool in MB (instead of --kv-pages)")
     p.add_argument("--prefill-chunk", type=_power_of_two, default=256,
                    help="prompt tokens per engine step; running streams decode between chunks")
-    p.add_argument("--no-warmup", action="store_true", help="do not compile every shape before serving")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="serve at once and compile each program when a request first needs it (that request waits)")
     p.add_argument("--speculative-tokens", type=int, default=0, metavar="K", choices=range(5),
                    help="draft K tokens (1-4) per decode step with the model's MTP head, verify them in one "
                         "forward (greedy output unchanged; needs mtp.* weights)")

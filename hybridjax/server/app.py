@@ -39,7 +39,7 @@ from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
 from hybridjax.engine import Engine, GenerationRequest, QueueFull, RequestHandle
-from hybridjax.generate import prompt_logprobs, sampling_params
+from hybridjax.generate import sampling_params
 from hybridjax.pages import page_bytes
 from hybridjax.prefix_cache import DirectoryLock, SnapshotStore, history_boundary, model_identity
 from hybridjax.server import lanes
@@ -77,7 +77,8 @@ class ServerConfig:
     kv_pages: int | None = None  # None: from kv_mb, else room for every slot at max_len, twice
     kv_mb: float | None = None  # the KV pool's memory budget, when kv_pages is not given
     prefill_chunk: int = 256
-    warmup: bool = True  # compile every shape before serving
+    warmup: bool = True  # compile the covering programs before serving, the rest behind
+    executable_dir: str | None = None  # keep compiled programs here between runs (engine_programs)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get a 413
     speculative_tokens: int = 0  # K drafts of the MTP head per decode step (0: plain decoding)
     speculative_adaptive: bool = False  # plain steps while drafting does not pay (engine._SpecPolicy)
@@ -123,7 +124,8 @@ def build_engine(sc: ServerConfig, cfg, params, tokenizer, name: str, calls=None
     engine = Engine(cfg, params, tokenizer, slots=sc.slots, max_len=max_len, store=store,
                     checkpoint_interval=sc.checkpoint_interval, max_queue=sc.max_queue, page_size=sc.page_size,
                     num_pages=num_pages, prefill_chunk=sc.prefill_chunk, speculative_tokens=sc.speculative_tokens,
-                    speculative_adaptive=sc.speculative_adaptive, calls=calls)
+                    speculative_adaptive=sc.speculative_adaptive, calls=calls,
+                    executable_dir=sc.executable_dir if calls is None else None)
     return engine, store
 
 
@@ -164,10 +166,11 @@ def _key_namespaces(api_key: str | None, api_keys) -> dict[str, str]:
 def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, api_keys=(),
                cache_dir: str | None = None, warmup: bool = True,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
-    """The app; its start-up loads persisted snapshots and starts the engine, which compiles every
-    shape first (`warmup`) while /health answers 503 "loading". Each API key (`api_key`,
-    `api_keys`) is its own cache namespace. With `cache_dir` (and a store) it locks the directory
-    now (`DirectoryInUse` if another server has it) and releases it after the shutdown save."""
+    """The app; its start-up loads persisted snapshots and starts the engine, which first has the
+    programs that serve every request (`warmup`: loaded from disk or compiled; the rest compile
+    behind) while /health answers 503 "loading". Each API key (`api_key`, `api_keys`) is its own
+    cache namespace. With `cache_dir` (and a store) it locks the directory now (`DirectoryInUse`
+    if another server has it) and releases it after the shutdown save."""
     store, tok = engine.store, engine.tokenizer
     created = int(time.time())
     keys = _key_namespaces(api_key, api_keys)
@@ -189,11 +192,12 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
         try:
             yield
         finally:
-            engine.stop()
+            engine.stop(wait=False)  # a compile under way is not waited for (serve exits past it)
             if lock is not None:
                 try:
-                    n = engine.save_snapshots(cache_dir)
-                    log.info("prefix cache: saved %d snapshots to %s", n, cache_dir)
+                    if engine.served:  # an engine that never served has nothing new to save
+                        n = engine.save_snapshots(cache_dir)
+                        log.info("prefix cache: saved %d snapshots to %s", n, cache_dir)
                 except Exception as e:  # a read-only directory, a full disk: one line, no traceback
                     log.error("prefix cache: could not save snapshots to %s: %s", cache_dir, e)
                 finally:
@@ -536,7 +540,7 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
         if echo and req.logprobs is not None:  # the prompt's own tokens, scored as generated ones are
             sp = sampling_params(1, temperature=req.temperature, repetition_penalty=req.repetition_penalty)
             try:  # in its own lane: a burst of these waits behind itself, not in front of others
-                scores = await scoring.run(prompt_logprobs, engine.params, prompt_ids, engine.cfg, sp, req.logprobs)
+                scores = await scoring.run(engine.prompt_logprobs, prompt_ids, sp, req.logprobs)
             except lanes.LaneFull as e:
                 raise APIError(429, str(e), code="queue_full", type_="rate_limit_error") from None
             echo_lp = fmt.completion_logprobs(tok, [(prompt_ids[0], (None, None)), *zip(prompt_ids[1:], scores)])
@@ -633,18 +637,74 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def serve(sc: ServerConfig, cfg, params, tokenizer, name: str, calls=None) -> int:
-    """Run the server for a loaded model until interrupted (uvicorn); `calls`: see Engine."""
+def bind(host: str, port: int):
+    """A socket bound to (host, port), for `serve`: bound before the model loads, so that a port
+    in use is an error at once (OSError), not after minutes of loading."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: restarts reuse the port at once
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _announce_when_serving(server, engine: Engine, name: str, host: str, port: int) -> None:
+    """Say "serving on URL" once the server answers /health with 200 (not when it is launched)."""
+    import http.client
+
+    client_host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    while not server.should_exit:
+        if engine.ready.wait(0.2) and server.started:
+            try:
+                conn = http.client.HTTPConnection(client_host, port, timeout=5)
+                conn.request("GET", "/health")
+                ok = conn.getresponse().status == 200
+                conn.close()
+            except OSError:
+                ok = False
+            if ok:
+                log.info("serving %s on http://%s:%d", name, host if ":" not in host else f"[{host}]", port)
+                return
+
+
+def serve(sc: ServerConfig, cfg, params, tokenizer, name: str, calls=None, sock=None) -> int:
+    """Run the server for a loaded model until interrupted (uvicorn); `calls`: see Engine;
+    `sock`: a socket `bind` made (else one is bound here). Interrupted (SIGINT), it returns 130;
+    while the engine still compiles, the process leaves at once (`os._exit`: XLA aborts a
+    process that finalizes beside a running compile)."""
+    import os
+    import sys
+    import threading
+
     import uvicorn
 
     from hybridjax.server.connections import uvicorn_options
 
+    sock = sock or bind(sc.host, sc.port)
     engine, _ = build_engine(sc, cfg, params, tokenizer, name, calls)
     if sc.cache_dir:
         Path(sc.cache_dir).mkdir(parents=True, exist_ok=True)
     app = create_app(engine, name, api_key=sc.api_key, api_keys=sc.api_keys,
                      cache_dir=sc.cache_dir if sc.prefix_cache else None, warmup=sc.warmup,
                      max_body_bytes=sc.max_body_bytes, body_timeout_s=sc.body_timeout_s)
-    log.info("serving %s on http://%s:%d", name, sc.host, sc.port)
-    uvicorn.run(app, **uvicorn_options(sc), log_level="info", timeout_graceful_shutdown=5)
-    return 0
+    server = uvicorn.Server(uvicorn.Config(app, **uvicorn_options(sc), log_level="info", timeout_graceful_shutdown=5))
+    threading.Thread(target=_announce_when_serving, args=(server, engine, name, sc.host, sc.port),
+                     name="hybridjax-announce", daemon=True).start()
+    code = 0
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        code = 130
+        raise
+    finally:
+        if engine.compiling:
+            logging.shutdown()
+            sys.stderr.flush()
+            os._exit(code)
+    return code

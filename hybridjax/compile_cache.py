@@ -1,0 +1,76 @@
+"""Where compiled programs are kept between runs, for every entry point: `hybridjax serve`,
+`hybridjax generate` and the library (`hybridjax.load_model`).
+
+JAX's persistent compilation cache lives in `default_compile_cache_dir()` (~/.cache/hybridjax/jax,
+or $XDG_CACHE_HOME/hybridjax/jax; $JAX_COMPILATION_CACHE_DIR or an explicit directory overrides it;
+$HYBRIDJAX_COMPILE_CACHE=0 turns it off for the library). The serving engine keeps its whole
+executables beside it, in `executables/` (`hybridjax.engine_programs`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from pathlib import Path
+
+_announced = threading.Event()
+
+
+def default_compile_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "hybridjax" / "jax"
+
+
+def use_compile_cache(directory: str | None = None, enabled: bool = True, announce: bool = True) -> Path | None:
+    """Keep compiled XLA programs on disk between runs (JAX's persistent compilation cache), so
+    a second start skips compilation. Returns the directory (None when off). `announce`: the
+    first compile of the process that the cache does not hold says so, once, on stderr."""
+    if not enabled:
+        return None
+    import jax
+
+    if directory is None and jax.config.jax_compilation_cache_dir:
+        path = Path(jax.config.jax_compilation_cache_dir)  # already set up (JAX_COMPILATION_CACHE_DIR, or a caller)
+    else:
+        path = Path(directory) if directory else default_compile_cache_dir()
+        path.mkdir(parents=True, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # every program, even quick ones
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    if announce:
+        _announce_first_compile(path)
+    return path
+
+
+def library_compile_cache() -> Path | None:
+    """The library's default: the same cache as the CLI, unless $HYBRIDJAX_COMPILE_CACHE is 0."""
+    return use_compile_cache(None, os.environ.get("HYBRIDJAX_COMPILE_CACHE", "1") != "0")
+
+
+def executable_dir() -> Path | None:
+    """Where the serving engine keeps its executables: `executables/` in the compilation cache
+    directory, when that cache is on."""
+    import jax
+
+    d = jax.config.jax_compilation_cache_dir
+    return Path(d) / "executables" if d else None
+
+
+_listening = False
+
+
+def _announce_first_compile(path: Path) -> None:
+    global _listening
+    if _listening:
+        return
+    import jax
+
+    def on_event(event: str, **kw) -> None:
+        if event == "/jax/compilation_cache/cache_misses" and not _announced.is_set():
+            _announced.set()
+            print(f"hybridjax: compiling the model's programs (a first run takes a while; later runs reuse "
+                  f"them from {path})", file=sys.stderr, flush=True)
+
+    jax.monitoring.register_event_listener(on_event)
+    _listening = True

@@ -1,0 +1,293 @@
+"""The engine's compiled programs: each shape the loop runs is one executable, compiled ahead of
+time (or loaded from disk), and called directly, so a live request never meets XLA.
+
+A shape is (step name, rows, tokens), as `Engine.shapes` lists them. `ProgramSet` holds the
+executables of one engine configuration; engines of one configuration in a process share it.
+With a directory, every executable is also kept on disk (`jax.experimental.serialize_executable`)
+under a key of everything that makes it valid: the model config, the abstract params and engine
+state (shapes, dtypes, shardings), the engine's settings, the jax / jaxlib versions, the backend
+and its devices, the CPU's feature flags, XLA_FLAGS and the digest of this package's source.
+A restart then loads executables without tracing or compiling; a missing, mismatched or
+corrupt file (each carries a checksum) is compiled again, never trusted.
+
+`CompiledCalls` is the engine's `calls` over a ProgramSet: the step functions of
+`hybridjax.engine_steps`, served by the executable of their shape, falling back to the jitted
+function (which compiles, counted in `live_compiles`) only for a shape nothing compiled.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import pickle
+import platform
+import threading
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from hybridjax import engine_steps as steps
+
+log = logging.getLogger(__name__)
+
+_MAGIC = b"hybridjax-executable-1\n"
+_REGISTRY: dict[str, "ProgramSet"] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+# --- what makes an executable valid ------------------------------------------------------------
+
+
+def abstract(tree):
+    """ShapeDtypeStructs (with the arrays' shardings) for every array leaf of `tree`."""
+    def one(x):
+        if isinstance(x, jax.Array):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        if isinstance(x, (np.ndarray, np.generic)):
+            return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)
+        return x
+
+    return jax.tree_util.tree_map(one, tree)
+
+
+@functools.lru_cache(maxsize=None)
+def source_digest() -> str:
+    """sha256 over the sources the programs are made of: the package's Python files and the
+    kernels' (hybridjax.pallas_kernels, inside the package when installed, beside it in a
+    checkout). Changed code makes different programs; tests, benchmarks and docs do not count."""
+    import hybridjax
+
+    package = Path(hybridjax.__file__).resolve().parent
+    roots = [package] + [r / "pallas_kernels" for r in map(Path, hybridjax.__path__) if r.resolve() != package]
+    h = hashlib.sha256()
+    for root in roots:
+        for f in sorted(root.rglob("*.py")) if root.is_dir() else ():
+            h.update(str(f.relative_to(root)).encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment() -> str:
+    """What a compiled program depends on beyond its inputs: versions, backend, devices, CPU."""
+    import jaxlib
+
+    devices = jax.devices()
+    return repr((jax.__version__, jaxlib.__version__, jax.default_backend(), len(devices),
+                 sorted({d.device_kind for d in devices}), jax.process_count(), cpu_flags(),
+                 os.environ.get("XLA_FLAGS", ""), platform.python_version(), source_digest(),
+                 {k: v for k, v in os.environ.items() if k.startswith("HYBRIDJAX_CPU_")}))
+
+
+def program_key(cfg, params, state, settings: dict) -> str:
+    """A short digest naming one engine configuration's programs (`params`, `state`: abstract)."""
+    described = repr((cfg, jax.tree_util.tree_structure(params), jax.tree_util.tree_leaves(params),
+                      jax.tree_util.tree_structure(state), jax.tree_util.tree_leaves(state),
+                      sorted(settings.items()), environment()))
+    return hashlib.sha256(described.encode()).hexdigest()[:24]
+
+
+# --- one configuration's programs ------------------------------------------------------------
+
+
+def shape_name(shape: tuple) -> str:
+    name, rows, tokens = shape
+    return f"{name}-{rows}x{tokens}"
+
+
+class ProgramSet:
+    """The executables of one engine configuration, by shape. `lowerers` maps a shape's name to
+    a function (rows, tokens) -> jax.stages.Lowered; `directory` (optional): where executables
+    are kept between runs. Thread-safe: the engine thread reads, a compile thread adds."""
+
+    def __init__(self, key: str, lowerers: dict, directory: str | Path | None = None):
+        self.key, self.lowerers = key, lowerers
+        self.directory = Path(directory) / key if directory else None
+        self._compiled: dict[tuple, object] = {}
+        self._lock = threading.Lock()  # one compile at a time per set
+        self._changed = threading.Condition()
+        self.counters = {"loaded": 0, "compiled": 0, "load_failed": 0, "load_seconds": 0.0, "compile_seconds": 0.0}
+        self.seconds: dict[tuple, float] = {}  # shape -> what compiling it took (this process)
+
+    def get(self, shape: tuple):
+        return self._compiled.get(shape)
+
+    def has(self, shape: tuple) -> bool:
+        return shape in self._compiled
+
+    def ensure(self, shape: tuple) -> str:
+        """Make `shape`'s executable exist: 'present', 'loaded' (from disk) or 'compiled'."""
+        with self._lock:
+            if shape in self._compiled:
+                return "present"
+            t0 = time.perf_counter()
+            exe = self._load(shape)
+            how = "loaded" if exe is not None else "compiled"
+            if exe is None:
+                exe = self.lowerers[shape[0]](shape[1], shape[2]).compile()
+                self._save(shape, exe)
+            seconds = time.perf_counter() - t0
+            self.counters[how] += 1
+            self.counters["load_seconds" if how == "loaded" else "compile_seconds"] += seconds
+            if how == "compiled":
+                self.seconds[shape] = seconds
+            with self._changed:
+                self._compiled[shape] = exe
+                self._changed.notify_all()
+            return how
+
+    def wait_for(self, shape: tuple, timeout: float | None = None) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: shape in self._compiled, timeout)
+
+    def _path(self, shape: tuple) -> Path | None:
+        return self.directory / f"{shape_name(shape)}.xla" if self.directory else None
+
+    def _load(self, shape: tuple):
+        path = self._path(shape)
+        if path is None or not path.is_file():
+            return None
+        from jax.experimental.serialize_executable import deserialize_and_load
+
+        from hybridjax import cpu_kernels
+
+        cpu_kernels.available()  # registers the CPU kernel's FFI targets, which the programs may call
+        try:
+            data = path.read_bytes()
+            body = data[len(_MAGIC) + 32:]
+            if not data.startswith(_MAGIC) or hashlib.sha256(body).digest() != data[len(_MAGIC):len(_MAGIC) + 32]:
+                raise ValueError("bad header or checksum")
+            payload, in_tree, out_tree = pickle.loads(body)
+            return deserialize_and_load(payload, in_tree, out_tree)
+        except Exception as e:  # corrupt, truncated, or from another build: compile it again
+            self.counters["load_failed"] += 1
+            log.warning("compiled program %s is unusable (%s): compiling it again", path, e)
+            return None
+
+    def _save(self, shape: tuple, exe) -> None:
+        path = self._path(shape)
+        if path is None:
+            return
+        from jax.experimental.serialize_executable import serialize
+
+        try:
+            body = pickle.dumps(serialize(exe))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}-{threading.get_ident()}")
+            tmp.write_bytes(_MAGIC + hashlib.sha256(body).digest() + body)
+            os.replace(tmp, path)  # atomic: a reader sees the old file or the whole new one
+        except Exception as e:  # a program that cannot be kept still serves this run
+            log.warning("cannot keep compiled program %s: %s", shape_name(shape), e)
+
+
+def program_set(key: str, lowerers: dict, directory=None) -> ProgramSet:
+    """The process's ProgramSet for `key` (engines of one configuration share executables)."""
+    with _REGISTRY_LOCK:
+        ps = _REGISTRY.get(key)
+        if ps is None or (directory and ps.directory is None):
+            ps = _REGISTRY[key] = ProgramSet(key, lowerers, directory)
+        return ps
+
+
+def clear_registry() -> None:
+    """Forget every ProgramSet of this process (tests: like `jax.clear_caches`)."""
+    with _REGISTRY_LOCK:
+        _REGISTRY.clear()
+
+
+# --- the engine's step lowerers ---------------------------------------------------------------
+
+
+def engine_lowerers(cfg, params, state, *, slots: int, pages_per_row: int, num_pages: int, implementation,
+                    speculative_tokens: int, row_args: tuple) -> dict:
+    """name -> (rows, tokens) -> Lowered, for every step the engine loop runs. `params`, `state`,
+    `row_args` (what setup_row takes after state, row, gdn, logits): abstract (shapes only:
+    lowering never touches the live, donated state)."""
+    i32 = lambda r: jax.ShapeDtypeStruct((r,), np.int32)  # noqa: E731
+    table = lambda r: jax.ShapeDtypeStruct((r, pages_per_row), np.int32)  # noqa: E731
+    page = jax.ShapeDtypeStruct((), np.int32)
+    snapshot = lambda: jax.eval_shape(steps._read_row, state, page)  # noqa: E731  (traced only to compile)
+    return {
+        "decode": lambda r, t: steps.decode.lower(params, state, i32(r), table(r), cfg, implementation),
+        "spec_decode": lambda r, t: steps.spec_decode.lower(params, state, i32(r), table(r), cfg, speculative_tokens,
+                                                            implementation),
+        "sample_first": lambda r, t: steps.sample_first.lower(state, i32(r)),
+        "prefill": lambda r, t: steps.prefill_chunk.lower(
+            params, state, i32(r), jax.ShapeDtypeStruct((r, t), np.int32), i32(r), table(r),
+            jax.ShapeDtypeStruct((r,), np.bool_), cfg, implementation),
+        "setup_row": lambda r, t: steps.setup_row.lower(state, page, None, None, *row_args),
+        "setup_row_snapshot": lambda r, t: steps.setup_row.lower(state, page, *snapshot(), *row_args),
+        "read_row": lambda r, t: steps.read_row.lower(state, page),
+        "copy_page": lambda r, t: steps.copy_page.lower(state, page, page),
+    }
+
+
+class CompiledCalls:
+    """The engine's calls (`Engine(calls=...)`), each served by its shape's executable in
+    `programs`; a shape without one runs the jitted step (compiling: `live_compiles` counts it)."""
+
+    def __init__(self, programs: ProgramSet):
+        self.programs = programs
+        self.live_compiles = 0  # calls that found no executable (the jitted step compiles once per shape)
+        self._missing: set[tuple] = set()
+        self.init_state, self.read_pages, self.write_pages = steps.init_state, steps.read_pages, steps.write_pages
+
+    def has(self, shape: tuple) -> bool:
+        return self.programs.has(shape)
+
+    def _run(self, shape: tuple, args: tuple, jitted):
+        """Run `shape`'s executable on `args`; without one (or for arguments it was not compiled
+        for, which it rejects before running anything) the jitted step, which compiles."""
+        exe = self.programs.get(shape)
+        if exe is not None:
+            try:
+                return exe(*args)
+            except TypeError as e:
+                log.warning("compiled program %s rejects its arguments (%s)", shape_name(shape), e)
+        self.live_compiles += 1
+        if shape not in self._missing:  # once per shape (an engine without warm-up meets each once)
+            self._missing.add(shape)
+            log.info("no compiled program for %s: the jitted step compiles it", shape_name(shape))
+        return jitted()
+
+    def decode(self, params, state, rows, table, cfg, implementation=None):
+        return self._run(("decode", len(rows), 1), (params, state, rows, table),
+                         lambda: steps.decode(params, state, rows, table, cfg, implementation))
+
+    def spec_decode(self, params, state, rows, table, cfg, k, implementation=None):
+        return self._run(("spec_decode", len(rows), k + 1), (params, state, rows, table),
+                         lambda: steps.spec_decode(params, state, rows, table, cfg, k, implementation))
+
+    def prefill_chunk(self, params, state, rows, tokens, counts, table, last, cfg, implementation=None):
+        return self._run(("prefill",) + tokens.shape, (params, state, rows, tokens, counts, table, last),
+                         lambda: steps.prefill_chunk(params, state, rows, tokens, counts, table, last, cfg,
+                                                     implementation))
+
+    def sample_first(self, state, rows):
+        return self._run(("sample_first", len(rows), 0), (state, rows), lambda: steps.sample_first(state, rows))
+
+    def setup_row(self, state, row, gdn, logits, *rest):
+        name = "setup_row" if gdn is None else "setup_row_snapshot"
+        return self._run((name, 1, 0), (state, np.int32(row), gdn, logits, *rest),
+                         lambda: steps.setup_row(state, row, gdn, logits, *rest))
+
+    def read_row(self, state, row):
+        return self._run(("read_row", 1, 0), (state, np.int32(row)), lambda: steps.read_row(state, row))
+
+    def copy_page(self, state, src, dst):
+        return self._run(("copy_page", 1, 0), (state, np.int32(src), np.int32(dst)),
+                         lambda: steps.copy_page(state, src, dst))

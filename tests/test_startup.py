@@ -1,0 +1,246 @@
+"""Ready in seconds: the engine serves once a covering set of programs exists and compiles the
+rest behind, a live request never compiles, a restart loads executables instead of tracing and
+compiling, a bad executable is compiled again; the CLI binds its port before loading and stops
+at once when interrupted during start-up.
+
+The engines use the engine tests' configuration (`engine_helpers.ENGINE_KW`); outputs are
+compared token for token with the cold path (`generate` from scratch, greedy).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax
+import pytest
+from engine_helpers import ENGINE_KW, cold, collect, enc, ids, run
+
+from hybridjax import engine_programs
+from hybridjax.default_model import tiny_test_model
+from hybridjax.engine import Engine, GenerationRequest
+from hybridjax.prefix_cache import SnapshotStore
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Every trace and backend compile of this process, with the thread that did it.
+_events: list[tuple[str, str]] = []
+_WATCHED = ("/jax/core/compile/backend_compile_duration", "/jax/core/compile/jaxpr_trace_duration")
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, *a, **k: _events.append((event, threading.current_thread().name)) if event in _WATCHED else None)
+
+
+def compiles_outside_the_compile_thread(since: int) -> list:
+    return [e for e in _events[since:] if e[1] != "hybridjax-compile" and e[0].endswith("backend_compile_duration")]
+
+
+@pytest.fixture(scope="module")
+def exe_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("executables")
+
+
+def _engine(exe_dir, **kw) -> Engine:
+    cfg, params, tok = tiny_test_model()
+    return Engine(cfg, params, tok, store=SnapshotStore("startup"), checkpoint_interval=16, executable_dir=exe_dir,
+                  **dict(ENGINE_KW, **kw))
+
+
+PROMPTS = [ids("Serve early: the first prompt"), ids("A second prompt, to batch"), ids("Third one in the batch")]
+LONG = (enc("A long prompt takes several chunks. ") * 3)[:100]
+
+
+def _references():
+    """The cold path's tokens and the first prompt's own log-probabilities, computed before
+    counting (they compile their own programs)."""
+    from hybridjax.generate import prompt_logprobs
+
+    cfg, params, _ = tiny_test_model()
+    refs = {tuple(p): cold(p, 6) for p in PROMPTS}
+    refs["scores"] = prompt_logprobs(params, PROMPTS[0], cfg, top=2)
+    return refs, _cold_long()
+
+
+def _cold_long():
+    from hybridjax.generate import generate
+
+    cfg, params, _ = tiny_test_model()
+    return generate(params, cfg, [LONG], max_new_tokens=4, max_len=ENGINE_KW["max_len"], stop_ids=()).token_lists()[0]
+
+
+def _serve_a_mix(eng: Engine, refs, long_ref) -> None:
+    """Batches of 1-3 rows, a long prompt in chunks, an exact repeat, a hit past a partial page,
+    sampling with penalties, a prompt's own log-probabilities; greedy output == the cold path."""
+    p = PROMPTS[0]
+    assert run(eng, p, 6).token_ids == refs[tuple(p)]  # cold, alone
+    assert run(eng, p, 6).token_ids == refs[tuple(p)]  # an exact repeat: its snapshot's logits
+    handles = [eng.submit(GenerationRequest(q, max_tokens=6)) for q in PROMPTS]  # a batch of three
+    handles.append(eng.submit(GenerationRequest(LONG, max_tokens=4)))
+    for q, h in zip(PROMPTS + [LONG], handles):
+        assert collect(h).token_ids == (refs[tuple(q)] if q is not LONG else long_ref)
+    run(eng, p + enc(" and more"), 3, temperature=0.8, top_p=0.9, seed=3, repetition_penalty=1.2)  # a hit, sampled
+    scores = eng.prompt_logprobs(p, top=2)
+    # the same program shape (length bucket 32) as the reference: the same float32 values; 1e-6
+    # leaves room for nothing but the order of a reduction
+    assert len(scores) == len(refs["scores"]) == len(p) - 1
+    for (lp, alts), (ref_lp, ref_alts) in zip(scores, refs["scores"]):
+        assert abs(lp - ref_lp) <= 1e-6 and [i for i, _ in alts] == [i for i, _ in ref_alts]
+
+
+def test_serves_on_the_covering_set_and_never_compiles_live(exe_dir):
+    refs, long_ref = _references()
+    eng = _engine(exe_dir)
+    behind = []
+    eng._compile_behind = behind.extend  # first: nothing compiles behind (only the covering set exists)
+    eng.start(warmup=True)
+    try:
+        assert eng.ready.wait(600)
+        assert eng.startup["compiled"] + eng.startup["loaded"] == len(eng.covering_shapes()) == 7
+        assert set(behind) == set(eng.shapes() + eng.score_shapes()) - set(eng.covering_shapes())
+        for shape in (("decode", 1, 1), ("prefill", 1, 32), ("score", 1, 32)):
+            assert not eng.programs.has(shape)  # so requests pad to decode x4, split into chunks of 16
+        eng.programs.ensure(("score", 1, 32))  # as the compile thread would: the scorer must exist
+        before, chunks = len(_events), eng.counters["prefill_chunks"]
+        p = PROMPTS[0]
+        _serve_a_mix(eng, refs, long_ref)
+        assert eng.counters["prefill_chunks"] - chunks >= 100 // 16  # the long prompt ran in chunks of 16
+        assert compiles_outside_the_compile_thread(before) == [] and eng.calls.live_compiles == 0
+
+        # then the rest compiles behind while requests run: still nothing compiles on their threads
+        before = len(_events)
+        del eng._compile_behind  # the engine's own again
+        eng._compile_behind([("decode", 1, 1), ("prefill", 1, 32)])
+        for _ in range(3):
+            assert run(eng, p, 6).token_ids == refs[tuple(p)]
+            assert collect(eng.submit(GenerationRequest(LONG, max_tokens=4))).token_ids == long_ref
+        eng._compiler.join(600)
+        assert eng.programs.has(("decode", 1, 1)) and eng.programs.has(("prefill", 1, 32))
+        _serve_a_mix(eng, refs, long_ref)  # on the new buckets: the same tokens
+        assert compiles_outside_the_compile_thread(before) == [] and eng.calls.live_compiles == 0
+    finally:
+        eng.stop()
+
+
+def test_a_restart_loads_executables_without_tracing_or_compiling(exe_dir):
+    """A new process's engine (the registry cleared) finds every covering executable on disk:
+    start-up traces nothing and compiles nothing, and it serves the same tokens."""
+    refs, long_ref = _references()
+    engine_programs.clear_registry()
+    eng = _engine(exe_dir)
+    eng._compile_behind = lambda shapes: None
+    eng.programs.ensure(("score", 1, 32))  # (kept by the first test's engine)
+    before = len(_events)
+    eng.start(warmup=True)
+    try:
+        assert eng.ready.wait(600)
+        assert _events[before:] == []  # no tracing, no compiling
+        assert eng.startup["loaded"] == 7 and eng.startup["compiled"] == 0
+        _serve_a_mix(eng, refs, long_ref)
+        assert compiles_outside_the_compile_thread(before) == [] and eng.calls.live_compiles == 0
+    finally:
+        eng.stop()
+
+
+def test_a_corrupt_or_foreign_executable_is_compiled_again(tmp_path, monkeypatch):
+    shape = ("copy_page", 1, 0)  # the cheapest program to compile
+    engine_programs.clear_registry()
+    eng = _engine(tmp_path)
+    path = eng.programs._path(shape)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not an executable")
+    assert eng.programs.ensure(shape) == "compiled" and eng.programs.counters["load_failed"] == 1
+    good = path.read_bytes()
+    engine_programs.clear_registry()
+    assert _engine(tmp_path).programs.ensure(shape) == "loaded"  # rewritten whole
+
+    flipped = bytearray(good)
+    flipped[-100] ^= 0xFF  # one bit flipped in the body: the checksum catches it
+    path.write_bytes(bytes(flipped))
+    engine_programs.clear_registry()
+    eng = _engine(tmp_path)
+    assert eng.programs.ensure(shape) == "compiled" and eng.programs.counters["load_failed"] == 1
+    n = eng.pool.num_pages
+    jax.block_until_ready(eng.calls.copy_page(eng._state, n, n))  # and the recompiled program runs
+    assert eng.calls.live_compiles == 0
+
+    # another jax, CPU or source: another key, so this one's files are never read
+    key = eng.programs.key
+    monkeypatch.setattr(engine_programs, "environment", lambda: "another machine")
+    engine_programs.clear_registry()
+    other = _engine(tmp_path)
+    assert other.programs.key != key and other.programs.ensure(shape) == "compiled"
+    assert _engine(tmp_path, slots=3).programs.key != other.programs.key  # engine settings are in the key
+
+
+# --- the command line ----------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(port: int, cache: Path) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    return subprocess.Popen([sys.executable, "-m", "hybridjax.cli", "serve", "--port", str(port),
+                             "--compile-cache-dir", str(cache)], stderr=subprocess.PIPE, text=True, env=env)
+
+
+def test_a_port_in_use_is_one_line_before_loading(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        t0 = time.monotonic()
+        proc = _serve(busy.getsockname()[1], tmp_path)
+        _, err = proc.communicate(timeout=120)
+    lines = [line for line in err.splitlines() if "WARNING" not in line]
+    assert proc.returncode == 1 and len(lines) == 1, err
+    assert lines[0].startswith("hybridjax serve: error: cannot listen on 127.0.0.1:") and "in use" in lines[0]
+    assert "loading" not in err  # found before the model loads
+    print(f"port in use reported in {time.monotonic() - t0:.1f} s")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupt_during_start_up_stops_at_once(tmp_path, sig):
+    """Ctrl-C or SIGTERM while the engine compiles (an empty compile cache): the process is gone
+    within 3 s, with a non-zero status (130 for Ctrl-C)."""
+    proc = _serve(_free_port(), tmp_path)
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 300
+    while not any(" loaded " in line for line in lines):
+        assert proc.poll() is None and time.monotonic() < deadline, lines
+        time.sleep(0.1)
+    time.sleep(1.0)  # the engine is compiling its first program now
+    assert not any("ready in" in line for line in lines)
+    t0 = time.monotonic()
+    proc.send_signal(sig)
+    try:
+        code = proc.wait(timeout=10)
+    finally:
+        proc.kill()
+    seconds = time.monotonic() - t0
+    assert seconds < 3.0, (seconds, lines)
+    assert code != 0 and (code == 130 if sig == signal.SIGINT else code in (-signal.SIGTERM, 128 + signal.SIGTERM))
+    assert not any("Traceback" in line or "terminate called" in line for line in lines), lines
+
+
+def test_generate_keeps_compiled_programs_and_says_so_once(tmp_path):
+    """`hybridjax generate` uses the compile cache: a first run says, once, that it compiles; a
+    second run on the same cache says nothing of it and gives the same tokens."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, "-m", "hybridjax.cli", "generate", "--token-ids", "1,2,3", "--max-new-tokens", "3",
+           "--json", "--compile-cache-dir", str(tmp_path)]
+    first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    second = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert first.returncode == second.returncode == 0, first.stderr + second.stderr
+    assert first.stderr.count("hybridjax: compiling the model's programs") == 1, first.stderr
+    assert "compiling" not in second.stderr, second.stderr
+    assert first.stdout == second.stdout and any(tmp_path.iterdir())
