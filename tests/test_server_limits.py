@@ -72,14 +72,14 @@ def test_an_echo_logprobs_burst_does_not_hold_up_a_plain_request(server, monkeyp
     answered meanwhile: it waited behind none of them. (Before, scoring ran on the threads that
     tokenize every request: the plain request waited for the whole burst.)"""
     entered, release = threading.Event(), threading.Event()
-    real = app_module.prompt_logprobs
+    real = server.engine.prompt_logprobs
 
     def held(*a, **k):
         entered.set()
         assert release.wait(120)
         return real(*a, **k)
 
-    monkeypatch.setattr(app_module, "prompt_logprobs", held)
+    monkeypatch.setattr(server.engine, "prompt_logprobs", held)
     echo = {"model": MODEL, "prompt": "Score every token of this prompt.", "max_tokens": 1, "echo": True,
             "logprobs": 1, "temperature": 0}
     with cf.ThreadPoolExecutor(BURST) as pool:
