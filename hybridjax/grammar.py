@@ -44,8 +44,9 @@ def json_schema_grammar(schema: dict | bool | None) -> str:
 
 
 def _json_embed(schema: dict) -> str:
-    """A Lark rule body for a JSON value matching `schema` (llguidance's %json extension)."""
-    return "%json " + json.dumps(schema, ensure_ascii=False)
+    """A Lark rule body for a JSON value matching `schema` (llguidance's %json extension), written
+    compactly (as `json_schema_grammar`)."""
+    return "%json " + json.dumps({**schema, "x-guidance": {"whitespace_flexible": False}}, ensure_ascii=False)
 
 
 def tool_call_grammar(tools: list[dict], name: str | None, opening: str) -> str:

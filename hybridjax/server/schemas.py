@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 SEED_LIMIT = 2**32  # the sampler's key is a uint32; -1 means "random"
 TOP_K_LIMIT = 2**31  # an int32 on the device
@@ -122,12 +122,11 @@ class ResponseFormat(BaseModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 
-    @field_validator("json_schema")
-    @classmethod
-    def _schema(cls, v, info: ValidationInfo):
-        if v is None and info.data.get("type") == "json_schema":
+    @model_validator(mode="after")
+    def _schema(self):
+        if self.json_schema is None and self.type == "json_schema":
             raise ValueError("type 'json_schema' needs a json_schema object")
-        return v
+        return self
 
     def constraint_schema(self) -> dict | bool | None:
         """The schema to constrain to (None: any object); only for the JSON kinds."""
