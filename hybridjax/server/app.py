@@ -1,5 +1,5 @@
-"""The HTTP API: /v1/chat/completions, /v1/completions (SSE streaming or not), /v1/models,
-/v1/models/{id}, /health, /metrics. Errors use OpenAI's body shape
+"""The HTTP API: /v1/chat/completions, /v1/completions (SSE streaming or not), /v1/responses
+(server.responses), /v1/models, /v1/models/{id}, /health, /metrics. Errors use OpenAI's body shape
 `{"error": {message, type, param, code}}`: 400 invalid JSON or parameter (named in `param`,
 unsupported ones included), 401 bad API key, 404 unknown model, 400 prompt over the context,
 413 body over the size limit, 429 queue full; never a stack trace, and an unexpected error
@@ -23,6 +23,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 from fastapi import FastAPI, Request
@@ -35,7 +36,7 @@ from hybridjax.pages import page_bytes
 from hybridjax.prefix_cache import SnapshotStore, history_boundary, model_identity
 from hybridjax.server import openai_format as fmt
 from hybridjax.grammar import GrammarError
-from hybridjax.server import structured
+from hybridjax.server import responses, structured
 from hybridjax.server.chat_reuse import needs_prefill, next_turn_prefix
 from hybridjax.server.metrics import render_metrics
 from hybridjax.server.schemas import ChatCompletionRequest, CompletionRequest, Message, SamplingFields
@@ -577,6 +578,12 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
             raise APIError(404, f"the model '{model_id}' does not exist; this server serves '{model_name}'",
                            param="model", code="model_not_found")
         return model_card()
+
+    # /v1/responses (server.responses): over the same helpers as the chat endpoint
+    responses.install(app, SimpleNamespace(
+        engine=engine, tok=tok, model_name=model_name, APIError=APIError, check_auth=check_auth, parse=parse,
+        check_length=check_length, engine_requests=engine_requests, request_grammar=request_grammar, submit=submit,
+        drain=drain, merged=merged, usage=usage, remember_next_turn=remember_next_turn))
 
     @app.get("/health")
     async def health():
