@@ -167,3 +167,17 @@ def test_speculative_engine_decodes_constrained_rows_without_drafts(server):
         assert plain.choices[0].message.content is not None and spec.engine.counters["spec_verify_steps"] > 0
     finally:
         spec.stop()
+
+
+def test_responses_api_forced_tool_call_and_its_output(server):
+    tool = {"type": "function", "name": "add", "parameters": PARAMS["add"], "strict": True}
+    r = server.client.responses.create(model=NAME, input="Add 2 and 3.", tools=[tool], temperature=0,
+                                       tool_choice={"type": "function", "name": "add"}, max_output_tokens=80)
+    (call,) = [o for o in r.output if o.type == "function_call"]
+    assert call.name == "add"
+    jsonschema.validate(json.loads(call.arguments), PARAMS["add"])
+    more = server.client.responses.create(model=NAME, previous_response_id=r.id, tools=[tool], temperature=0,
+                                          input=[{"type": "function_call_output", "call_id": call.call_id, "output": "5"}],
+                                          max_output_tokens=8)
+    # (the default model's template renders neither calls nor tool results' roles specially: only accepted here)
+    assert more.status in ("completed", "incomplete") and more.previous_response_id == r.id
