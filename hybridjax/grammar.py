@@ -25,6 +25,10 @@ class GrammarError(ValueError):
     """A schema or grammar the engine cannot compile; the message names the problem."""
 
 
+class UnsupportedTokenizer(GrammarError):
+    """llguidance cannot read this tokenizer (e.g. the tests' char-level one): no grammar applies."""
+
+
 def _ll():
     import llguidance
 
@@ -82,9 +86,18 @@ class Compiler:
         self._lock = threading.Lock()
 
     @functools.cached_property
-    def _tokenizer(self):
+    def _built(self):
         with self._lock:
-            return _ll().LLTokenizer(self._json, n_vocab=self.vocab_size, eos_token=list(self.eos_ids) or None)
+            try:
+                return _ll().LLTokenizer(self._json, n_vocab=self.vocab_size, eos_token=list(self.eos_ids) or None)
+            except ValueError as e:  # kept, so a tokenizer that fails is not parsed again per request
+                return UnsupportedTokenizer(f"constrained decoding is not available with this tokenizer: {e}")
+
+    @property
+    def _tokenizer(self):
+        if isinstance(self._built, UnsupportedTokenizer):
+            raise self._built
+        return self._built
 
     def check(self, grammar: str) -> None:
         """Raise GrammarError unless `grammar` compiles against this vocabulary."""

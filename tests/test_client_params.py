@@ -115,3 +115,11 @@ def test_bad_values_are_400s_naming_the_parameter(server, body, param):
         with pytest.raises(openai.BadRequestError) as e:
             call()
         assert e.value.body["param"].split(".")[0] == param, e.value.body
+
+
+def test_json_output_with_a_tokenizer_the_grammar_engine_cannot_read_is_a_400(server):
+    """The tiny model's char-level tokenizer is not one llguidance reads: no constraint can hold."""
+    with pytest.raises(openai.BadRequestError, match="not available with this tokenizer") as e:
+        server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                              response_format={"type": "json_object"})
+    assert e.value.body["param"] == "response_format"

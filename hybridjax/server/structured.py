@@ -4,12 +4,13 @@ arguments must match the tool's `parameters` schema. With `tool_choice` "auto" t
 answer in text or call a tool, and calls are parsed, not constrained.
 
 `grammar_for` returns the grammar and the parameter it came from, so that one the engine cannot
-compile is a 400 naming that parameter (`checked`).
+compile is a 400 naming that parameter (`checked`). With a tokenizer llguidance cannot read,
+`response_format` JSON is a 400 and a forced tool call keeps only its forced opening.
 """
 
 from __future__ import annotations
 
-from hybridjax.grammar import GrammarError, json_schema_grammar, tool_call_grammar
+from hybridjax.grammar import GrammarError, UnsupportedTokenizer, json_schema_grammar, tool_call_grammar
 
 
 def grammar_for(response_format, tools=None, tool_choice=None, xml_calls: bool = False) -> tuple[str, str] | None:
@@ -37,6 +38,10 @@ def checked(engine, request_grammar: tuple[str, str] | None) -> str | None:
     grammar, param = request_grammar
     try:
         engine.grammars.check(grammar)
+    except UnsupportedTokenizer:
+        if param == "tools":  # a forced call keeps its forced opening, as without a grammar engine
+            return None
+        raise
     except GrammarError as e:
         e.param = param
         raise
