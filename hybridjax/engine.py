@@ -89,8 +89,6 @@ def check_request(req: "GenerationRequest", vocab_size: int) -> None:
             "out of range")
     if any(not 0 <= t < vocab_size for t in req.prompt_ids):
         bad("prompt_ids", f"token ids must be in [0, {vocab_size})")
-    if any(not 0 <= t < vocab_size for t in req.stop_ids):
-        bad("stop_ids", f"token ids must be in [0, {vocab_size})")
     if not 0 <= req.min_tokens <= max(req.max_tokens, 0):
         bad("min_tokens", "must be in [0, max_tokens]")
     for tid, b in req.logit_bias:
