@@ -165,6 +165,12 @@ def test_speculative_engine_decodes_constrained_rows_without_drafts(server):
             assert spec.engine.counters["spec_verify_steps"] == drafted_before  # no drafting step ran for it
         plain = ask(spec, "Hello", temperature=0, max_tokens=12)  # an unconstrained row still drafts
         assert plain.choices[0].message.content is not None and spec.engine.counters["spec_verify_steps"] > 0
+        # logit_bias and min_tokens apply to a drafting step's target logits: greedy, the plain engine's tokens
+        banned = spec.engine.tokenizer.encode(plain.choices[0].message.content)[0]
+        body = {"logit_bias": {str(banned): -100}, "min_tokens": 6}
+        want = ask(server, "Hello", temperature=0, max_tokens=12, extra_body=body).choices[0].message.content
+        got = ask(spec, "Hello", temperature=0, max_tokens=12, extra_body=body).choices[0].message.content
+        assert got == want and got != plain.choices[0].message.content
     finally:
         spec.stop()
 
