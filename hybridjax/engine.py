@@ -56,7 +56,7 @@ from hybridjax.pages import DEFAULT_PAGE_SIZE, PagePool, PoolExhausted, page_byt
 from hybridjax.params import Params
 from hybridjax.prefix_cache import SnapshotStore, checkpoint_positions
 from hybridjax.prefix_report import CACHE_OFF, CacheReport
-from hybridjax.sampling import sampling_params
+from hybridjax.sampling import bias_row, sampling_params
 from hybridjax.tokenizer import StreamDecoder, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -111,6 +111,13 @@ def check_request(req: "GenerationRequest", vocab_size: int) -> None:
             "out of range")
     if any(not 0 <= t < vocab_size for t in req.prompt_ids):
         bad("prompt_ids", f"token ids must be in [0, {vocab_size})")
+    if not 0 <= req.min_tokens <= max(req.max_tokens, 0):
+        bad("min_tokens", "must be in [0, max_tokens]")
+    for tid, b in req.logit_bias:
+        if not 0 <= tid < vocab_size:
+            bad("logit_bias", f"token id {tid} is outside the vocabulary [0, {vocab_size})")
+        if not -100 <= b <= 100:
+            bad("logit_bias", f"the bias of token {tid} must be in [-100, 100]")
 
 
 @dataclasses.dataclass
@@ -130,6 +137,9 @@ class GenerationRequest:
     namespace: str = ""
     history_len: int | None = None  # end of the stable chat history, a snapshot point
     logprobs: int | None = None  # report each token's log-probability and this many alternatives (0..20)
+    min_tokens: int = 0  # no stop id is drawn (or ends the response) before this many tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]); -100 bans
+    grammar: str | None = None  # constrained decoding: an llguidance grammar (hybridjax.grammar)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +211,7 @@ class _Slot:
     last_step: int = -1  # the last decode step this row was dispatched in
     last_drafting: bool = False  # and whether that step drafts (`steps.spec_decode`)
     finished: bool = False
+    constraint: object = None  # grammar.Constraint of a constrained request
 
     @property
     def prompt(self) -> list[int]:
@@ -300,7 +311,7 @@ def _powers(lo: int, hi: int) -> list[int]:
 def request_row_args(cfg: Config, req: "GenerationRequest", length: int = 0) -> tuple:
     """What `engine_steps.setup_row` takes after (state, row, gdn, logits) for a request whose
     row starts at `length` cached tokens: length, sampling parameters, seed, seen tokens,
-    budget, stop ids, wants log-probabilities."""
+    budget, stop ids, wants log-probabilities, logit bias [vocab], min tokens."""
     sp = sampling_params(1, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                          repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
                          frequency_penalty=req.frequency_penalty)
@@ -310,7 +321,7 @@ def request_row_args(cfg: Config, req: "GenerationRequest", length: int = 0) -> 
     ids = list(dict.fromkeys(req.stop_ids))[: steps.MAX_STOPS]
     stops[: len(ids)] = ids
     return (np.int32(length), sp, np.uint32(req.seed % 2**32), seen, np.int32(req.max_tokens), stops,
-            np.bool_(req.logprobs is not None))
+            np.bool_(req.logprobs is not None), bias_row(cfg.vocab_size, req.logit_bias), np.int32(req.min_tokens))
 
 
 def _bucket(n: int, buckets: Sequence[int]) -> int:
@@ -528,9 +539,10 @@ class Engine:
         """Every program the loop runs, as (step name, rows, tokens): what `warmup` compiles."""
         k = self.speculative_tokens
         out = [("spec_decode", r, k + 1) for r in self.decode_buckets] if k else []
-        if not k or self._policy is not None:
-            out += [("decode", r, 1) for r in self.decode_buckets]
+        # Plain steps also serve a speculative engine's constrained rows (they never draft).
+        out += [("decode", r, 1) for r in self.decode_buckets]
         out += [("sample_first", 1, 0)]  # an exact hit is admitted, and draws, alone
+        out += [("set_bits", r, 0) for r in self.decode_buckets]
         t = 16
         while t <= self.prefill_chunk:
             out += [("prefill", r, t) for r in self.prefill_buckets if r * t <= self.prefill_chunk]
@@ -545,9 +557,8 @@ class Engine:
         top = self.decode_buckets[-1]
         k = self.speculative_tokens
         out = [("spec_decode", top, k + 1)] if k else []
-        if not k or self._policy is not None:
-            out.append(("decode", top, 1))
-        out += [("prefill", 1, 16), ("sample_first", 1, 0)]
+        out.append(("decode", top, 1))  # also a speculative engine's constrained rows (they never draft)
+        out += [("prefill", 1, 16), ("sample_first", 1, 0), ("set_bits", top, 0)]
         return out + [s for s in self.shapes() if s[0] in ("setup_row", "setup_row_snapshot", "read_row", "copy_page")]
 
     def score_shapes(self) -> list[tuple]:
@@ -670,6 +681,8 @@ class Engine:
                                                 self.implementation)
             elif name == "sample_first":
                 out, _, s = self.calls.sample_first(s, pad(r))
+            elif name == "set_bits":
+                out = s = self.calls.set_bits(s, pad(r), np.full((r, steps.mask_words(self.cfg.vocab_size)), -1, np.int32))
             elif name == "prefill":
                 out, _, s = self.calls.prefill_chunk(self.params, s, pad(r), np.zeros((r, t), np.int32), np.zeros((r,), np.int32),
                                                 table(r), np.zeros((r,), bool), self.cfg, self.implementation)
@@ -725,6 +738,10 @@ class Engine:
             try:
                 self._admit()
                 self._prefill()
+                if self._inflight is not None and self._constrained_decoding():
+                    # A constrained row's next mask needs the token in flight: no overlap.
+                    self._process(self._inflight)
+                    self._inflight = None
                 step = self._dispatch()
                 if self._inflight is not None:
                     self._process(self._inflight)
@@ -866,6 +883,11 @@ class Engine:
         self._table[row] = self.pool.num_pages
         self._table[row, : len(pages)] = pages
         self._state = self._setup(self._state, row, snap.cache if snap else None, snap.logits if snap else None, start, req)
+        constraint = None
+        if req.grammar is not None:
+            constraint = self.grammars.matcher(req.grammar)
+            self._state = self.calls.set_bits(self._state, self._rows_array([row], self._ready_buckets("set_bits", 0)),
+                                              self._bits([constraint], self._ready_buckets("set_bits", 0)))
         handle.cached_tokens = start
         if hit is not None and hit.report is not None:
             handle.cache_report = hit.report
@@ -877,7 +899,7 @@ class Engine:
         extra += [n for n in (_shared_prefix(waiting, req),) if n >= SHARE_MIN_TOKENS]
         slot = _Slot(handle, row, StreamDecoder(self.tokenizer, skip_special_tokens=False) if self.tokenizer else None,
                      pages, start, checkpoint_positions(start, len(req.prompt_ids), self.checkpoint_interval, extra),
-                     next(self._seq))
+                     next(self._seq), constraint=constraint)
         # Special tokens stay in the text (stop tokens never reach it), so a client re-sending
         # the response re-encodes it to the same ids and hits the response snapshot.
         self._rows[row] = slot
@@ -911,6 +933,25 @@ class Engine:
             if name == "prefill" and (has is None or has((name, r, t))):
                 out.setdefault(r, []).append(t)
         return {r: sorted(ts) for r, ts in out.items()}
+    @functools.cached_property
+    def grammars(self):
+        """The grammar compiler of this engine's tokenizer and vocabulary (hybridjax.grammar)."""
+        from hybridjax.grammar import Compiler
+
+        if self.tokenizer is None:
+            raise ValueError("constrained decoding needs a tokenizer")
+        return Compiler(self.tokenizer.backend.to_str(), self.cfg.vocab_size,
+                        tuple(self.tokenizer.eos_token_ids) + tuple(self.cfg.eos_token_id))
+
+    def _bits(self, constraints: list, buckets: Sequence[int]) -> np.ndarray:
+        """The constraints' masks [bucket, words] (padding rows allow everything)."""
+        out = np.full((_bucket(len(constraints), buckets), steps.mask_words(self.cfg.vocab_size)), -1, np.int32)
+        for i, c in enumerate(constraints):
+            out[i] = c.bits
+        return out
+
+    def _constrained_decoding(self) -> bool:
+        return any(s is not None and s.constraint is not None and not s.prefilling for s in self._rows)
 
     def _alloc(self, n: int, keep=None) -> list[int] | None:
         """n fresh pages, evicting snapshots by the store's policy (never `keep`) if the pool is short."""
@@ -1071,7 +1112,14 @@ class Engine:
         index = next(self._steps)
         arr = self._rows_array(rows, self._ready_buckets("spec_decode" if self.speculative_tokens else "decode",
                                                          self.speculative_tokens + 1))
-        draft = self.speculative_tokens > 0 and (self._policy is None or self._policy.draft(len(arr)))
+        constrained = [r for r in rows if self._rows[r].constraint is not None]
+        if constrained:  # each constrained row's mask for the token this step draws
+            self._state = self.calls.set_bits(self._state, self._rows_array(constrained, self._ready_buckets("set_bits", 0)),
+                                              self._bits([self._rows[r].constraint for r in constrained],
+                                                         self._ready_buckets("set_bits", 0)))
+        # Constrained rows decode without drafts: a draft would need the mask after tokens not drawn yet.
+        draft = (self.speculative_tokens > 0 and not constrained
+                 and (self._policy is None or self._policy.draft(len(arr))))
         if not draft and self.speculative_tokens:  # the adaptive policy's plain step: its own buckets
             arr = self._rows_array(rows, self._ready_buckets("decode", 1))
         started = time.perf_counter()
@@ -1169,16 +1217,20 @@ class Engine:
         if logprobs:
             h.logprobs.append(logprobs)
         self.counters["tokens_generated"] += 1
-        stopped = token in req.stop_ids  # a stop token ends the response and is not part of its text
+        # A stop token ends the response (once min_tokens are drawn) and is not part of its text.
+        stopped = token in req.stop_ids and len(h.token_ids) > req.min_tokens
         text = slot.held_text + (slot.decoder.push(token) if slot.decoder and not stopped else "")
-        done = stopped or len(h.token_ids) >= req.max_tokens
+        # A grammar that has matched a whole value (only the end may follow), or rejects the token, ends it.
+        matched = slot.constraint is not None and not stopped and (not slot.constraint.advance(token)
+                                                                     or slot.constraint.finished)
+        done = stopped or matched or len(h.token_ids) >= req.max_tokens
         if done and slot.decoder:
             text += slot.decoder.flush()
         cut = min((text.find(s) for s in req.stop_strings if s in text), default=-1)
         if cut >= 0:
             text, finish = text[:cut], "stop"
         else:
-            finish = "stop" if stopped else ("length" if done else None)
+            finish = "stop" if stopped or matched else ("length" if done else None)
         # Text that may be the start of a stop string waits for the next token.
         send, slot.held_text = (text, "") if finish else _safe_split(text, req.stop_strings)
         h.text += send

@@ -231,6 +231,8 @@ def engine_lowerers(cfg, params, state, *, slots: int, pages_per_row: int, num_p
             jax.ShapeDtypeStruct((r,), np.bool_), cfg, implementation),
         "setup_row": lambda r, t: steps.setup_row.lower(state, page, None, None, *row_args),
         "setup_row_snapshot": lambda r, t: steps.setup_row.lower(state, page, *snapshot(), *row_args),
+        "set_bits": lambda r, t: steps.set_bits.lower(
+            state, i32(r), jax.ShapeDtypeStruct((r, steps.mask_words(cfg.vocab_size)), np.int32)),
         "read_row": lambda r, t: steps.read_row.lower(state, page),
         "copy_page": lambda r, t: steps.copy_page.lower(state, page, page),
     }
@@ -284,6 +286,9 @@ class CompiledCalls:
         name = "setup_row" if gdn is None else "setup_row_snapshot"
         return self._run((name, 1, 0), (state, np.int32(row), gdn, logits, *rest),
                          lambda: steps.setup_row(state, row, gdn, logits, *rest))
+
+    def set_bits(self, state, rows, bits):
+        return self._run(("set_bits", len(rows), 0), (state, rows, bits), lambda: steps.set_bits(state, rows, bits))
 
     def read_row(self, state, row):
         return self._run(("read_row", 1, 0), (state, np.int32(row)), lambda: steps.read_row(state, row))

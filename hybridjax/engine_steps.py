@@ -38,7 +38,7 @@ from hybridjax.config import FULL, Config
 from hybridjax.generate import Sampler, next_token
 from hybridjax.model import forward, forward_hidden, lm_logits
 from hybridjax.mtp import mtp_hidden
-from hybridjax.sampling import SamplingParams, apply_penalties, logprobs_of
+from hybridjax.sampling import SamplingParams, adjust_logits, apply_penalties, logprobs_of
 
 Array = jax.Array
 
@@ -58,6 +58,11 @@ class EngineState:
     done: Array  # [slots] bool: drew a stop id or exhausted its budget: draws no more
     idle: Array  # [slots] bool: nothing pending (a done row's last token has been fed too)
     want_logprobs: Array  # [slots] bool: the request asked for log-probabilities
+    # Per-row logit adjustments (sampling.adjust_logits), skipped for a batch where no row has any:
+    adjust: Array  # [slots] bool: the row has a logit_bias, a min_tokens or a grammar
+    bias: Array  # [slots, vocab] float32: additive logit_bias (-inf bans)
+    min_tokens: Array  # [slots] int32: the row's stop ids are banned until it has drawn this many
+    bits: Array  # [slots, ceil(vocab / 32)] int32: the grammar's allowed tokens for the next draw (-1: all)
     # Speculative engines only (None otherwise; spec_decode below):
     mtp: PagedKV | None = None  # the MTP layer's KV, in pages of the same ids as the model's
     hidden: Array | None = None  # [slots, D]: main final-normed hidden state after each row's last token
@@ -122,7 +127,13 @@ def _zeros_state(cfg: Config, slots: int, num_pages: int, page_size: int, dtype=
     return EngineState(tuple(layers), jnp.zeros((slots,), jnp.int32), jnp.zeros((slots, vocab), jnp.float32), sampler,
                        jnp.zeros((slots,), jnp.int32), jnp.zeros((slots,), jnp.int32),
                        jnp.full((slots, MAX_STOPS), -1, jnp.int32), jnp.ones((slots,), bool), jnp.ones((slots,), bool),
-                       jnp.zeros((slots,), bool))
+                       jnp.zeros((slots,), bool), jnp.zeros((slots,), bool), jnp.zeros((slots, vocab), jnp.float32),
+                       jnp.zeros((slots,), jnp.int32), jnp.full((slots, mask_words(vocab)), -1, jnp.int32))
+
+
+def mask_words(vocab: int) -> int:
+    """int32 words of a grammar bitmask over `vocab` tokens."""
+    return (vocab + 31) // 32
 
 
 def host_implementation() -> str | None:
@@ -211,9 +222,23 @@ def _logprobs(logits: Array, sampler: Sampler, tok: Array, want: Array):
     return jax.lax.cond(jnp.any(want), compute, lambda _: zeros, None)
 
 
+def _adjusted(state: EngineState, rows: Array, logits: Array, sampler: Sampler, masks: bool = True) -> Array:
+    """The logits [R, vocab] rows draw from: their logit_bias, their stop ids banned before
+    min_tokens (counted by the rows' `sampler`) and, with `masks`, their grammar masks. A batch
+    where no row has any of these skips it all."""
+    adjust = _take(state.adjust, rows) & (rows < state.slots)
+
+    def apply(_):
+        return adjust_logits(logits, _take(state.bias, rows), _take(state.bits, rows) if masks else None,
+                             _take(state.stops, rows), adjust & (sampler.step < _take(state.min_tokens, rows)))
+
+    return jax.lax.cond(jnp.any(adjust), apply, lambda _: logits, None)
+
+
 def _draw(state: EngineState, rows: Array, logits: Array, mask: Array) -> tuple[Drawn, EngineState]:
     """Draw one token per masked row from logits [R, vocab]; it becomes the row's pending token."""
     sampler = jax.tree_util.tree_map(lambda x: _take(x, rows), state.sampler)
+    logits = _adjusted(state, rows, logits, sampler)
     tok, stepped = next_token(logits, sampler)
     drawn = Drawn(jnp.where(mask, tok, -1), *_logprobs(logits, sampler, tok, mask & _take(state.want_logprobs, rows)))
     budget = _take(state.budget, rows) - 1
@@ -338,6 +363,7 @@ def _spec_decode(params, state, rows, table, cfg, k, implementation=None):
     def judge_next(carry, xs):
         s, n_acc, forced, going, ended, budget = carry
         target, d, q = xs
+        target = _adjusted(state, rows, target, s, masks=False)
         pen = apply_penalties(target, s.params, s.seen, s.out_counts)
         ok, resid = spec.judge(pen, d, q, s.params, spec._keys(s, spec._ACCEPT), spec._keys(s, spec._RESIDUAL))
         acc, rej = going & ok, going & ~ok
@@ -354,11 +380,12 @@ def _spec_decode(params, state, rows, table, cfg, k, implementation=None):
     # 4. the next pending token: a rejection's residual, else a plain draw after the last draft
     n_fed = jnp.where(drafting, n_acc + 1, feed.astype(jnp.int32))
     last_logits = _at(logits, jnp.maximum(n_fed - 1, 0))
+    draw_logits = _adjusted(state, rows, last_logits, sampler, masks=False)
     draw = drafting & ~ended
     rejected = forced >= 0
-    plain, plain_sampler = next_token(last_logits, sampler)
+    plain, plain_sampler = next_token(draw_logits, sampler)
     tok = jnp.where(rejected, forced, plain)
-    lp_last = _logprobs(last_logits, sampler, tok, draw & want)
+    lp_last = _logprobs(draw_logits, sampler, tok, draw & want)
     recorded = spec._record(sampler, jnp.maximum(forced, 0), draw & rejected)
     sampler = jax.tree_util.tree_map(
         lambda a, b: jnp.where((draw & ~rejected).reshape((-1,) + (1,) * (a.ndim - 1)), a, b), plain_sampler, recorded)
@@ -399,11 +426,13 @@ def _sample_first(state, rows):
     return drawn, _take(state.done, rows), state
 
 
-def _setup_row(state, row, gdn, logits, length, sp: SamplingParams, seed, seen, budget, stops, want_logprobs):
+def _setup_row(state, row, gdn, logits, length, sp: SamplingParams, seed, seen, budget, stops, want_logprobs,
+               bias, min_tokens):
     """Prepare row `row` for a new request: its GDN state (a snapshot's tuple of batch-of-one
     GDNStates, or None for zeros), logits [vocab] (or None), length, sampling parameters (one
-    row each), seed, seen [vocab] (the prompt's tokens), budget, stops [MAX_STOPS] and whether
-    its draws report log-probabilities."""
+    row each), seed, seen [vocab] (the prompt's tokens), budget, stops [MAX_STOPS], whether
+    its draws report log-probabilities, its logit bias [vocab] (sampling.bias_row) and its
+    min_tokens. Its grammar mask allows everything until `set_bits`."""
     rows = row[None]
     snap = iter(gdn or ())
     layers = []
@@ -423,10 +452,19 @@ def _setup_row(state, row, gdn, logits, length, sp: SamplingParams, seed, seen, 
         sampler=jax.tree_util.tree_map(lambda x, y: _put(x, rows, y.astype(x.dtype)), state.sampler, sampler),
         budget=_put(state.budget, rows, budget[None]), stops=_put(state.stops, rows, stops[None]),
         done=_put(state.done, rows, jnp.zeros((1,), bool)), idle=_put(state.idle, rows, jnp.zeros((1,), bool)),
-        want_logprobs=_put(state.want_logprobs, rows, want_logprobs[None]))
+        want_logprobs=_put(state.want_logprobs, rows, want_logprobs[None]),
+        adjust=_put(state.adjust, rows, (jnp.any(bias != 0) | (min_tokens > 0))[None]),
+        bias=_put(state.bias, rows, bias[None]), min_tokens=_put(state.min_tokens, rows, min_tokens[None]),
+        bits=_put(state.bits, rows, jnp.full((1,) + state.bits.shape[1:], -1, jnp.int32)))
     if logits is not None:
         state = state.replace(logits=_put(state.logits, rows, logits[None]))
     return state
+
+
+def _set_bits(state, rows, bits):
+    """Rows `rows` [R] draw their next token under grammar masks bits [R, words] (the host's,
+    from each row's matcher; padding rows dropped)."""
+    return state.replace(bits=_put(state.bits, rows, bits), adjust=_put(state.adjust, rows, jnp.ones(rows.shape, bool)))
 
 
 def _read_row(state, row):
@@ -476,6 +514,7 @@ decode = _donating(_decode, static_argnames=("cfg", "implementation"))
 spec_decode = _donating(_spec_decode, static_argnames=("cfg", "k", "implementation"))
 sample_first = _donating(_sample_first)
 setup_row = _donating(_setup_row)
+set_bits = _donating(_set_bits)
 copy_page = _donating(_copy_page)
 write_pages = _donating(_write_pages)
 read_row = jax.jit(_read_row)

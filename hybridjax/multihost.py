@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 # The steps a multi-process engine may run. read_pages / write_pages (snapshot persistence)
 # are left out: they move sharded pages to and from process 0's host alone.
-REPLAYED = ("init_state", "prefill_chunk", "decode", "sample_first", "setup_row", "copy_page", "read_row")
+REPLAYED = ("init_state", "prefill_chunk", "decode", "sample_first", "setup_row", "set_bits", "copy_page", "read_row")
 KEPT = "read_row"  # its outputs come back as inputs later (a snapshot's row state): kept by number
 _STRUCTS = {"GDNState": GDNState, "SamplingParams": SamplingParams}
 _STOP = "stop"

@@ -160,3 +160,36 @@ def next_token(logits: Array, s: Sampler) -> tuple[Array, Sampler]:
     return tok, s.replace(
         step=s.step + 1, seen=s.seen.at[rows, tok].set(True), out_counts=s.out_counts.at[rows, tok].add(1)
     )
+
+
+# --- per-row logit adjustments: logit_bias, min_tokens, grammar masks ---------------------
+
+BANNED = -100.0  # a logit_bias of -100 bans the token (OpenAI: "should result in a ban")
+
+
+def bias_row(vocab: int, logit_bias: Sequence[tuple[int, float]] = ()) -> np.ndarray:
+    """One row's dense additive bias [vocab] float32 from (token id, bias) pairs; -100 is -inf."""
+    row = np.zeros((vocab,), np.float32)
+    for tid, b in logit_bias:
+        row[tid] = -np.inf if b <= BANNED else b
+    return row
+
+
+def unpack_bitmask(bits: Array, vocab: int) -> Array:
+    """bits [B, ceil(vocab / 32)] int32 (bit j of word w allows token 32 w + j, as llguidance and
+    xgrammar write them) -> allowed [B, vocab] bool."""
+    shifts = jnp.arange(32, dtype=jnp.int32)
+    allowed = (jnp.right_shift(bits[:, :, None], shifts) & 1).astype(bool)  # [B, words, 32]
+    return allowed.reshape(bits.shape[0], -1)[:, :vocab]
+
+
+def adjust_logits(logits: Array, bias: Array, bits: Array | None, stops: Array, ban_stops: Array) -> Array:
+    """Logits [B, vocab] with each row's additive bias [B, vocab] (-inf bans), its grammar mask
+    `bits` (unpack_bitmask; None: no masks) and, where ban_stops [B], its stop ids stops [B, S]
+    (-1 = none) banned (min_tokens not reached yet)."""
+    logits = logits + bias
+    if bits is not None:
+        logits = jnp.where(unpack_bitmask(bits, logits.shape[-1]), logits, -jnp.inf)
+    rows = jnp.arange(logits.shape[0])[:, None]
+    banned = ban_stops[:, None] & (stops >= 0)
+    return logits.at[rows, jnp.where(banned, stops, logits.shape[-1])].set(-jnp.inf, mode="drop")

@@ -96,7 +96,8 @@ def engines(model):
     fixed = Engine(cfg, params, None, store=SnapshotStore("spec"), speculative_tokens=K, speculative_adaptive=False,
                    **KW)
     adaptive = Engine(cfg, params, None, store=None, speculative_tokens=K, speculative_adaptive=True, **KW)
-    assert ("spec_decode", 4, K + 1) in fixed.shapes() and not any(s[0] == "decode" for s in fixed.shapes())
+    # plain steps are compiled too: a constrained row decodes without drafts (engine._dispatch)
+    assert {("spec_decode", 4, K + 1), ("decode", 4, 1)} <= set(fixed.shapes())
     assert {("spec_decode", 4, K + 1), ("decode", 4, 1)} <= set(adaptive.shapes())
     fixed.warmup()
     adaptive.warmup()

@@ -25,7 +25,6 @@ import httpx
 import pytest
 from test_server import MODEL, RunningServer
 
-from hybridjax.server import app as app_module
 from hybridjax.server import lanes
 
 MAX_QUEUE = 16

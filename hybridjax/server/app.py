@@ -1,5 +1,5 @@
-"""The HTTP API: /v1/chat/completions, /v1/completions (SSE streaming or not), /v1/models,
-/v1/models/{id}, /health, /metrics. Errors use OpenAI's body shape
+"""The HTTP API: /v1/chat/completions, /v1/completions (SSE streaming or not), /v1/responses
+(server.responses), /v1/models, /v1/models/{id}, /health, /metrics. Errors use OpenAI's body shape
 `{"error": {message, type, param, code}}`: 400 invalid JSON or parameter (named in `param`,
 unsupported ones included), 401 bad API key, 404 unknown model, 400 prompt over the context,
 413 body over the size limit, 429 queue full; never a stack trace, and an unexpected error
@@ -31,6 +31,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 from fastapi import FastAPI, Request
@@ -44,6 +45,8 @@ from hybridjax.pages import page_bytes
 from hybridjax.prefix_cache import DirectoryLock, SnapshotStore, history_boundary, model_identity
 from hybridjax.server import lanes
 from hybridjax.server import openai_format as fmt
+from hybridjax.grammar import GrammarError
+from hybridjax.server import responses, structured
 from hybridjax.server.chat_reuse import needs_prefill, next_turn_prefix
 from hybridjax.server.metrics import render_metrics
 from hybridjax.server.schemas import ChatCompletionRequest, CompletionRequest, Message, SamplingFields
@@ -283,7 +286,8 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
                            param=param, code="context_length_exceeded")
 
     def engine_requests(req: SamplingFields, prompt_ids: list[int], max_tokens: int | None, namespace: str,
-                        history_len: int | None = None, logprobs: int | None = None) -> list[GenerationRequest]:
+                        history_len: int | None = None, logprobs: int | None = None,
+                        grammar: str | None = None) -> list[GenerationRequest]:
         n, limit = len(prompt_ids), engine.max_len
         param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         if n >= limit:
@@ -294,9 +298,20 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
         elif n + max_tokens > limit:
             raise APIError(400, f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds the context of {limit} tokens",
                            param="max_tokens", code="context_length_exceeded")
-        bad = [t for t in prompt_ids if t >= engine.cfg.vocab_size]
+        vocab = engine.cfg.vocab_size
+        bad = [t for t in prompt_ids if t >= vocab]
         if bad:
             raise APIError(400, f"token id {bad[0]} is outside the vocabulary", param="prompt")
+        for param, ids in (("stop_token_ids", req.stop_token_ids or ()), ("logit_bias", [t for t, _ in req.bias_pairs()])):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise APIError(400, f"invalid parameter '{param}': token id {bad[0]} is outside the vocabulary "
+                               f"[0, {vocab})", param=param)
+        if req.min_tokens > max_tokens:
+            raise APIError(400, f"invalid parameter 'min_tokens': {req.min_tokens} is more than max_tokens "
+                           f"({max_tokens})", param="min_tokens")
+        eos = () if req.ignore_eos else tuple(tok.eos_token_ids) + tuple(engine.cfg.eos_token_id)
+        stop_ids = tuple(dict.fromkeys(eos + tuple(req.stop_token_ids or ())))
         out = []
         for i in range(req.n):
             # No seed, or -1: random. A given seed makes choice i use seed + i.
@@ -306,9 +321,20 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
                 prompt_ids=prompt_ids, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                 top_k=max(req.top_k, 0), min_p=req.min_p, repetition_penalty=req.repetition_penalty,
                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, seed=seed,
-                stop_ids=tuple(tok.eos_token_ids) + tuple(engine.cfg.eos_token_id), stop_strings=tuple(req.stop or ()),
-                namespace=namespace + ":" + (req.cache_salt or ""), history_len=history_len, logprobs=logprobs))
+                stop_ids=stop_ids, stop_strings=tuple(req.stop or ()),
+                namespace=namespace + ":" + (req.cache_salt or ""), history_len=history_len, logprobs=logprobs,
+                min_tokens=req.min_tokens, logit_bias=req.bias_pairs(), grammar=grammar))
         return out
+
+    async def request_grammar(req: SamplingFields, tools=None, tool_choice=None) -> str | None:
+        """The request's grammar (server.structured), compiled once here: a 400 names what fails."""
+        try:
+            g = structured.grammar_for(req.response_format, tools, tool_choice,
+                                       xml_calls=bool(tok.chat_template and "<function=" in tok.chat_template))
+            return await asyncio.to_thread(structured.checked, engine, g)
+        except GrammarError as e:
+            param = getattr(e, "param", None) or ("tool_choice" if "tool_choice" in str(e) else "response_format")
+            raise APIError(400, f"invalid parameter '{param}': {e}", param=param) from None
 
     def submit(greqs: list[GenerationRequest]) -> list[RequestHandle]:
         handles = []
@@ -441,10 +467,11 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
             ids = tok.encode(text)
             return ids, history_boundary(tok, messages, ids, **kwargs)
 
+        grammar = await request_grammar(req, tools, req.tool_choice)
         prompt_ids, history = await asyncio.to_thread(encode)
         ns = namespace + ":" + (req.cache_salt or "")
         handles = submit(engine_requests(req, prompt_ids, req.max_completion_tokens or req.max_tokens, namespace,
-                                         history, (req.top_logprobs or 0) if req.logprobs else None))
+                                         history, (req.top_logprobs or 0) if req.logprobs else None, grammar))
         rid, now = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
         def finish(h, calls):
@@ -529,7 +556,8 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
         else:
             check_length(len(req.prompt), "prompt")
             prompt_ids = await asyncio.to_thread(tok.encode, req.prompt)
-        greqs = engine_requests(req, prompt_ids, req.max_tokens, namespace, logprobs=req.logprobs)
+        grammar = await request_grammar(req)
+        greqs = engine_requests(req, prompt_ids, req.max_tokens, namespace, logprobs=req.logprobs, grammar=grammar)
         echo = ((req.prompt if isinstance(req.prompt, str) else await asyncio.to_thread(tok.decode, prompt_ids))
                 if req.echo else "")
         echo_lp = None
@@ -615,6 +643,12 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
             raise APIError(404, f"the model '{model_id}' does not exist; this server serves '{model_name}'",
                            param="model", code="model_not_found")
         return model_card()
+
+    # /v1/responses (server.responses): over the same helpers as the chat endpoint
+    responses.install(app, SimpleNamespace(
+        engine=engine, tok=tok, model_name=model_name, APIError=APIError, check_auth=check_auth, parse=parse,
+        check_length=check_length, engine_requests=engine_requests, request_grammar=request_grammar, submit=submit,
+        drain=drain, merged=merged, usage=usage, remember_next_turn=remember_next_turn))
 
     @app.get("/health")
     async def health():

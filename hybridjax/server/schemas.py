@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 SEED_LIMIT = 2**32  # the sampler's key is a uint32; -1 means "random"
 TOP_K_LIMIT = 2**31  # an int32 on the device
@@ -20,6 +20,8 @@ MAX_LOGPROBS = 20  # alternatives per token the engine computes at most
 MAX_N = 16
 TOP_P_FLOOR = 1.1754943508222875e-38  # float32's smallest normal number
 TEMPERATURE_FLOOR = 1e-6  # the least temperature hybridjax.sampling.filter_logits divides by
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
+MAX_STOP_TOKEN_IDS = 64
 
 # Accepted and ignored: they do not change what is generated.
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
@@ -107,9 +109,34 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    schema_: Union[dict, bool] = Field(default=True, alias="schema")  # True: any JSON value
+    strict: bool | None = None
+
+
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str
+    """`text`, `json_object` (any JSON object) or `json_schema` (a value matching the schema);
+    both JSON kinds are enforced by constrained decoding (hybridjax.grammar), strict or not."""
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema(self):
+        if self.json_schema is None and self.type == "json_schema":
+            raise ValueError("type 'json_schema' needs a json_schema object")
+        return self
+
+    def constraint_schema(self) -> dict | bool | None:
+        """The schema to constrain to (None: any object); only for the JSON kinds."""
+        if self.type == "json_object":
+            return None
+        if self.json_schema is None:  # a json_schema without one is rejected by the validator
+            raise ValueError("response_format 'json_schema' needs a json_schema")
+        return self.json_schema.schema_
 
 
 class SamplingFields(_Strict):
@@ -131,6 +158,11 @@ class SamplingFields(_Strict):
     n: int = Field(default=1, ge=1, le=MAX_N)
     cache_salt: str | None = Field(default=None, max_length=256)
     response_format: ResponseFormat | None = None
+    # What benchmark clients and vLLM users send (vLLM's names and semantics):
+    ignore_eos: bool = False  # EOS does not end the response (stop_token_ids still do)
+    min_tokens: int = Field(default=0, ge=0)  # no EOS / stop token id before this many tokens
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    logit_bias: dict[str, float] | None = None  # OpenAI: token id -> bias in [-100, 100]; -100 bans
 
     @field_validator("temperature")
     @classmethod
@@ -155,13 +187,29 @@ class SamplingFields(_Strict):
             raise ValueError("at most 4 non-empty stop strings")
         return stops
 
-    @field_validator("response_format")
+    @field_validator("stop_token_ids")
     @classmethod
-    def _format(cls, v):
-        if v is not None and v.type != "text":
-            raise ValueError(f"response_format type '{v.type}' is not supported by this server "
-                             "(no constrained decoding); only 'text'")
+    def _stop_ids(cls, v):
+        if v and any(t < 0 for t in v):
+            raise ValueError("token ids must be non-negative integers")
         return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v):
+        if not v:
+            return v
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries")
+        for k, b in v.items():
+            if not k.isdigit():
+                raise ValueError(f"'{k}' is not a token id (a non-negative integer)")
+            if not -100 <= b <= 100:
+                raise ValueError(f"the bias of token {k} is {b}; it must be in [-100, 100]")
+        return v
+
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(k), float(b)) for k, b in (self.logit_bias or {}).items())
 
     def unsupported_fields(self) -> list[str]:
         """Fields the client sent that this server does not implement."""
