@@ -100,7 +100,7 @@ def test_serves_on_the_covering_set_and_never_compiles_live(exe_dir):
     eng.start(warmup=True)
     try:
         assert eng.ready.wait(600)
-        assert eng.startup["compiled"] + eng.startup["loaded"] == len(eng.covering_shapes()) == 7
+        assert eng.startup["compiled"] + eng.startup["loaded"] == len(eng.covering_shapes()) == 8  # with the grammar-mask upload
         assert set(behind) == set(eng.shapes() + eng.score_shapes()) - set(eng.covering_shapes())
         for shape in (("decode", 1, 1), ("prefill", 1, 32), ("score", 1, 32)):
             assert not eng.programs.has(shape)  # so requests pad to decode x4, split into chunks of 16
@@ -139,7 +139,7 @@ def test_a_restart_loads_executables_without_tracing_or_compiling(exe_dir):
     try:
         assert eng.ready.wait(600)
         assert _events[before:] == []  # no tracing, no compiling
-        assert eng.startup["loaded"] == 7 and eng.startup["compiled"] == 0
+        assert eng.startup["loaded"] == 8 and eng.startup["compiled"] == 0
         _serve_a_mix(eng, refs, long_ref)
         assert compiles_outside_the_compile_thread(before) == [] and eng.calls.live_compiles == 0
     finally:
