@@ -345,6 +345,28 @@ def test_model_decode_with_kernel_equals_without(arch, dtype, loaded, monkeypatc
     np.testing.assert_array_equal(with_kernel.argmax(-1), without.argmax(-1))
 
 
+@pytest.mark.parametrize("isa", cpu_kernels.ISAS)
+def test_model_decode_on_every_path_equals_without_kernel(isa, loaded, monkeypatch):
+    """The model's decode with the path capped (HYBRIDJAX_CPU_ISA, read at trace time), so an
+    AVX-512 machine runs the avx2 and scalar paths through the whole model too: float32 [K, N]
+    weights, then bfloat16 packed panels (avx2 and avx512 widen the pairs; scalar reads them in
+    plain C++), against XLA's dots. Tolerances as in the tests above."""
+    need(isa)
+    cfg, params = loaded["qwen3_5_dense"]
+    bf = hybridjax.params.cast_params(params, "bfloat16")
+    packed = cpu_kernels.pack_params(bf.replace(lm_head=jnp.asarray(bf.embed.T)), force=True)
+    prompt = np.random.RandomState(8).randint(0, cfg.vocab_size, 7).tolist()
+    monkeypatch.setenv("HYBRIDJAX_CPU_ISA", isa)
+    ours = decode_logits(params, cfg, prompt, 4), decode_logits(packed, cfg, prompt, 4)
+    monkeypatch.delenv("HYBRIDJAX_CPU_ISA")
+    monkeypatch.setenv("HYBRIDJAX_CPU_KERNELS", "0")
+    refs = decode_logits(params, cfg, prompt, 4), decode_logits(packed, cfg, prompt, 4)
+    for got, ref, rtol in zip(ours, refs, (1e-5, 5e-2)):
+        err = np.abs(got - ref).max() / np.abs(ref).max()
+        assert err < rtol, (isa, err)
+        np.testing.assert_array_equal(got.argmax(-1), ref.argmax(-1))
+
+
 def test_generate_with_kernel_equals_without_for_a_batch(loaded, monkeypatch):
     """The library's generate (lax.while_loop decode, 3 ragged rows) gives the same greedy
     tokens with and without the kernel."""
@@ -471,7 +493,7 @@ def test_pack_params_packs_the_projections_only(loaded, hf_dirs):
     assert cpu_kernels.pack_params(params, force=True) is not params  # float32: walked, nothing packed
     assert not any(isinstance(x, cpu_kernels.PackedWeight) for x in jax.tree_util.tree_leaves(
         cpu_kernels.pack_params(params, force=True), is_leaf=lambda x: isinstance(x, cpu_kernels.PackedWeight)))
-    if cpu_kernels.best_isa() == "avx512bf16":  # elsewhere pack_params leaves params as they are
+    if cpu_kernels.best_isa() in cpu_kernels.PACKED_ISAS:  # elsewhere pack_params leaves params as they are
         _, at_load = hybridjax.load_hf(hf_dirs["qwen3_5_dense"], dtype="bfloat16", pack_for_decode=True)
         assert isinstance(at_load.layers[0].ffn.up, cpu_kernels.PackedWeight)
     back = cpu_kernels.unpack_params(packed)
