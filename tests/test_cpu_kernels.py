@@ -291,6 +291,28 @@ def test_dense_sends_few_rows_to_the_kernel_and_prefill_to_xla(monkeypatch):
     assert cpu_kernels.TARGET not in hlo(1)
 
 
+def test_bf16_prefill_widens_to_float32_where_the_cpu_has_no_bf16_dot(monkeypatch):
+    """Prefill rows of a bf16 weight: XLA's float32 dot on widened operands (default below
+    avx512bf16) or its bf16 dot (`direct`); the products are exact either way (bf16 x bf16 fits a
+    float32 mantissa), so both meet the float32 bound, transposed (the tied head) too."""
+    rng = np.random.default_rng(14)
+    w = jnp.asarray(rng.standard_normal((96, 80)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((20, 96)), jnp.bfloat16)
+    want = cpu_kernels.best_isa() != "avx512bf16"
+    monkeypatch.delenv("HYBRIDJAX_CPU_BF16_PREFILL", raising=False)
+    assert cpu_kernels.widen_bf16_prefill() == want
+    for mode in ("widen", "direct"):
+        monkeypatch.setenv("HYBRIDJAX_CPU_BF16_PREFILL", mode)
+        for transposed, wk in ((False, w), (True, w.T)):
+            f = jax.jit(lambda x, w, t=transposed: ops.dense(x, w, jnp.float32, transposed=t))  # fresh trace
+            hlo = f.lower(x, wk).as_text()
+            assert ("tensor<96x80xf32>" in hlo or "tensor<80x96xf32>" in hlo) == (mode == "widen"), (mode, transposed)
+            assert_close(f(x, wk), x, w.astype(jnp.float32), False)
+    monkeypatch.setenv("HYBRIDJAX_CPU_BF16_PREFILL", "sometimes")
+    with pytest.raises(ValueError, match="widen or direct"):
+        cpu_kernels.widen_bf16_prefill()
+
+
 def test_a_missing_extension_warns_once_and_dense_uses_xla(monkeypatch, caplog):
     monkeypatch.setattr(cpu_kernels, "_load", lambda: (None, "simulated: no .so"))
     cpu_kernels.warn_unavailable.cache_clear()

@@ -26,7 +26,9 @@ Environment (read at trace time: call `jax.clear_caches()` after changing them i
   HYBRIDJAX_CPU_KERNELS=0     never use the kernel in `dense`;
   HYBRIDJAX_CPU_ISA=NAME      cap the path (scalar | avx2 | avx512 | avx512bf16), e.g. to test
                               a fallback on a CPU that has more;
-  HYBRIDJAX_CPU_THREADS=N     use at most N threads per call (default: XLA's pool).
+  HYBRIDJAX_CPU_THREADS=N     use at most N threads per call (default: XLA's pool);
+  HYBRIDJAX_CPU_BF16_PREFILL=widen|direct   bf16 prefill matmuls in float32 or bf16 on XLA
+                              (default: widen unless the CPU has avx512bf16; `widen_bf16_prefill`).
 """
 
 from __future__ import annotations
@@ -138,6 +140,21 @@ def supports(rows: int, x_dtype, w_dtype) -> bool:
         and jnp.dtype(x_dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
         and jnp.dtype(w_dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
     )
+
+
+def widen_bf16_prefill() -> bool:
+    """Whether `dense` widens bfloat16 prefill matmuls to float32 on CPU (at trace time).
+
+    HYBRIDJAX_CPU_BF16_PREFILL=widen | direct decides; by default widen where the CPU has no
+    bf16 dot instruction (best path below avx512bf16, or the extension is not built): there
+    XLA:CPU's bf16 x bf16 -> f32 dot ran 0.7-0.8x its float32 one (AVX2, benchmarks/README.md),
+    while with AVX512_BF16 / AMX its bf16 path is the faster one."""
+    mode = os.environ.get("HYBRIDJAX_CPU_BF16_PREFILL", "").strip().lower()
+    if mode in ("widen", "direct"):
+        return mode == "widen"
+    if mode:
+        raise ValueError(f"HYBRIDJAX_CPU_BF16_PREFILL must be widen or direct, got {mode!r}")
+    return not (available() and best_isa() == "avx512bf16")
 
 
 def _isa_code(isa: str | None) -> int:
