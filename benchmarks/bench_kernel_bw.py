@@ -8,7 +8,9 @@ the float32 one's bytes/s (and decode twice as fast). Per shape and row count, m
 round-robin in one process (each round times every mode once, so load from other jobs hits
 them alike): `f32` (float32 weight and x), `bf16` (bfloat16 weight and x, as a bf16 model
 decodes), `bf16-xf32` (bfloat16 weight, float32 x: the hi + lo split), `bf16-packed` (the same
-bfloat16 weight packed once into panels, `cpu_kernels.pack_bf16` / `matmul_packed`). With `--old-so` an
+bfloat16 weight packed once into panels, `cpu_kernels.pack_bf16` / `matmul_packed`), `int8` (weight-only
+int8 with per-column scales, float32 x), `read` (no matmul: a plain sequential read of the float32
+copies, on as many threads as the kernel may use: the bandwidth the kernel should reach). With `--old-so` an
 older build of the kernel (loaded beside the current one under another FFI target name) adds
 `old-bf16` and `old-f32`, so a change is measured against its predecessor in the same run.
 
@@ -54,7 +56,8 @@ def main(argv=None) -> int:
     from hybridjax import cpu_kernels
 
     calls = {"new": lambda x, w: cpu_kernels.matmul(x, w, max_threads=a.threads),
-             "packed": lambda x, w: cpu_kernels.matmul_packed(x, w[0], w[1], max_threads=a.threads)}
+             "packed": lambda x, w: cpu_kernels.matmul_packed(x, w[0], w[1], max_threads=a.threads),
+             "int8": lambda x, w: cpu_kernels.matmul(x, w[0], w[1], max_threads=a.threads)}
     if a.old_so:
         old = ctypes.CDLL(a.old_so)
         jax.ffi.register_ffi_target("hybridjax_cpu_matmul_old", jax.ffi.pycapsule(old.HjMatmul), platform="cpu")
@@ -69,7 +72,8 @@ def main(argv=None) -> int:
 
     # mode -> (call, weight dtype, x dtype)
     modes = {"f32": ("new", jnp.float32, jnp.float32), "bf16": ("new", jnp.bfloat16, jnp.bfloat16),
-             "bf16-xf32": ("new", jnp.bfloat16, jnp.float32), "bf16-packed": ("packed", "packed", jnp.bfloat16)}
+             "bf16-xf32": ("new", jnp.bfloat16, jnp.float32), "bf16-packed": ("packed", "packed", jnp.bfloat16),
+             "int8": ("int8", "int8", jnp.float32), "read": ("read", jnp.float32, None)}
     if a.old_so:
         modes.update({"old-f32": ("old", jnp.float32, jnp.float32), "old-bf16": ("old", jnp.bfloat16, jnp.bfloat16)})
     if a.modes:
@@ -85,6 +89,8 @@ def main(argv=None) -> int:
             return x
 
         def f(x, ws):
+            if isinstance(ws[0], tuple) and not isinstance(ws[0][1], int):  # int8: (q, scale)
+                return run(x, ws, ())
             if isinstance(ws[0], tuple):  # packed: (panels, n), n static
                 return run(x, [w for w, _ in ws], tuple(n for _, n in ws))
             return run(x, ws, ())
@@ -93,8 +99,8 @@ def main(argv=None) -> int:
     print(f"CPU kernel weight stream, best path {cpu_kernels.best_isa()}, threads {a.threads or 'pool'}; "
           f"load {loadavg()} at start")
     print("| K x N | rows | " + " | ".join(f"{m} GB/s med / best" for m in modes)
-          + " | bf16/f32 | packed/f32 (med) | load |")
-    print("|---|---:|" + "---:|" * len(modes) + "---:|---:|---|")
+          + " | f32, bf16, int8 / read (med) | load |")
+    print("|---|---:|" + "---:|" * len(modes) + "---:|---|")
     rng = np.random.default_rng(0)
     for shape in a.shapes.split(","):
         k, n = (int(s) for s in shape.split("x"))
@@ -104,26 +110,36 @@ def main(argv=None) -> int:
         ws[jnp.bfloat16] = [w.astype(jnp.bfloat16) for w in ws[jnp.float32]]
         ws["packed"] = [(cpu_kernels.pack_bf16(w), n) for w in ws[jnp.bfloat16]]
         del base
-        fns = {m: chain(calls[c]) for m, (c, _, _) in modes.items()}
+        ws["int8"] = [cpu_kernels.quantize_int8(w) for w in ws[jnp.float32]] if "int8" in modes else []
+        host = [np.asarray(w) for w in ws[jnp.float32]] if "read" in modes else []
+        fns = {m: chain(calls[c]) for m, (c, _, _) in modes.items() if c != "read"}
+        if "read" in modes:
+            lib = cpu_kernels._load()[0]
+            lib.HjStreamRead.restype = ctypes.c_uint64
+            lib.HjStreamRead.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+            nthreads = a.threads or os.cpu_count() or 1
+            fns["read"] = lambda x, arrays: [lib.HjStreamRead(h.ctypes.data, h.nbytes, nthreads) for h in host][0]
         for rows in (int(r) for r in a.rows.split(",")):
             xs = {dt: jnp.asarray(rng.standard_normal((rows, k)), dt) for dt in (jnp.float32, jnp.bfloat16)}
             for m, (_, wd, xd) in modes.items():  # compile and warm
-                fns[m](xs[xd], ws[wd]).block_until_ready()
+                jax.block_until_ready(fns[m](xs.get(xd), ws[wd]))
             times = {m: [] for m in modes}
             for _ in range(a.rounds):
                 for m, (_, wd, xd) in modes.items():
                     t0 = time.perf_counter()
-                    fns[m](xs[xd], ws[wd]).block_until_ready()
+                    jax.block_until_ready(fns[m](xs.get(xd), ws[wd]))
                     times[m].append(time.perf_counter() - t0)
             gbs = {}
             for m, (_, wd, _) in modes.items():
-                nbytes = copies * k * n * (2 if wd == "packed" else jnp.dtype(wd).itemsize)
+                nbytes = copies * k * n * {"packed": 2, "int8": 1}.get(wd) if isinstance(wd, str) else \
+                    copies * k * n * jnp.dtype(wd).itemsize
                 t = np.asarray(times[m])
                 gbs[m] = (nbytes / np.median(t) / 1e9, nbytes / t.min() / 1e9)
-            ratio = [f"{gbs[m][0] / gbs['f32'][0]:.2f}" if m in gbs and "f32" in gbs else "-"
-                     for m in ("bf16", "bf16-packed")]
+            ref = "read" if "read" in gbs else "f32"  # ratios against the plain read when there is one
+            ratio = [f"{gbs[m][0] / gbs[ref][0]:.2f}" if m in gbs and ref in gbs else "-"
+                     for m in ("f32", "bf16", "int8")]
             print(f"| {k}x{n} | {rows} | " + " | ".join(f"{g[0]:.1f} / {g[1]:.1f}" for g in gbs.values())
-                  + f" | {ratio[0]} | {ratio[1]} | {loadavg()} |", flush=True)
+                  + f" | {', '.join(ratio)} | {loadavg()} |", flush=True)
         del ws, fns
     return 0
 

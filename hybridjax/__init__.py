@@ -61,7 +61,7 @@ def load(path, dtype=None, mesh=None, progress=None, pack_for_decode=False):
     when None and stderr is a terminal; False: none (see `hybridjax.conversion.load`).
     `pack_for_decode`: bfloat16 projections are also kept as packed panels that the CPU decode
     kernel streams faster (`cpu_kernels.pack_params`; twice the weight memory; single device,
-    CPUs with AVX512_BF16 only, else a no-op)."""
+    CPUs with AVX2 or AVX512_BF16 only (`cpu_kernels.PACKED_ISAS`), else a no-op)."""
     from hybridjax.conversion import load as _load
 
     cfg, params = _load(path, dtype=dtype, mesh=mesh, progress=progress)

@@ -49,9 +49,22 @@ def dense(x: Array, w: Array, dtype=None, transposed: bool = False) -> Array:
         else:
             kernel = functools.partial(cpu_kernels.matmul, transposed=transposed)
             y = jax.lax.platform_dependent(rows, cpu_kernels.plain_weight(w), cpu=kernel, default=xla)
+    elif (w.dtype == jnp.bfloat16 and rows.shape[0] > cpu_kernels.MAX_ROWS and sharding.current_mesh() is None
+          and cpu_kernels.widen_bf16_prefill()):
+        # XLA:CPU's bf16 dots run below its float32 ones where the CPU has no bf16 dot
+        # instruction: widen both operands inside the step (once per prefill chunk) there.
+        widened = functools.partial(_widened_dot, transposed=transposed)
+        y = jax.lax.platform_dependent(rows, cpu_kernels.plain_weight(w), cpu=widened, default=xla)
     else:
         y = xla(rows, cpu_kernels.plain_weight(w))
     return y.astype(dtype or x.dtype).reshape(*lead, y.shape[-1])
+
+
+def _widened_dot(rows: Array, w: Array, transposed: bool = False) -> Array:
+    """rows @ w in float32 from 16-bit operands: the same exact products (bf16 x bf16 fits a
+    float32 mantissa), float32 sums; XLA:CPU's float32 matmul instead of its bf16 one."""
+    w = w.astype(jnp.float32)
+    return jnp.dot(rows.astype(jnp.float32), w.T if transposed else w)
 
 
 def _xla_dot(rows: Array, w: Array, transposed: bool = False) -> Array:

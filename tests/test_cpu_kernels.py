@@ -291,6 +291,28 @@ def test_dense_sends_few_rows_to_the_kernel_and_prefill_to_xla(monkeypatch):
     assert cpu_kernels.TARGET not in hlo(1)
 
 
+def test_bf16_prefill_widens_to_float32_where_the_cpu_has_no_bf16_dot(monkeypatch):
+    """Prefill rows of a bf16 weight: XLA's float32 dot on widened operands (default below
+    avx512bf16) or its bf16 dot (`direct`); the products are exact either way (bf16 x bf16 fits a
+    float32 mantissa), so both meet the float32 bound, transposed (the tied head) too."""
+    rng = np.random.default_rng(14)
+    w = jnp.asarray(rng.standard_normal((96, 80)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((20, 96)), jnp.bfloat16)
+    want = cpu_kernels.best_isa() != "avx512bf16"
+    monkeypatch.delenv("HYBRIDJAX_CPU_BF16_PREFILL", raising=False)
+    assert cpu_kernels.widen_bf16_prefill() == want
+    for mode in ("widen", "direct"):
+        monkeypatch.setenv("HYBRIDJAX_CPU_BF16_PREFILL", mode)
+        for transposed, wk in ((False, w), (True, w.T)):
+            f = jax.jit(lambda x, w, t=transposed: ops.dense(x, w, jnp.float32, transposed=t))  # fresh trace
+            hlo = f.lower(x, wk).as_text()
+            assert ("tensor<96x80xf32>" in hlo or "tensor<80x96xf32>" in hlo) == (mode == "widen"), (mode, transposed)
+            assert_close(f(x, wk), x, w.astype(jnp.float32), False)
+    monkeypatch.setenv("HYBRIDJAX_CPU_BF16_PREFILL", "sometimes")
+    with pytest.raises(ValueError, match="widen or direct"):
+        cpu_kernels.widen_bf16_prefill()
+
+
 def test_a_missing_extension_warns_once_and_dense_uses_xla(monkeypatch, caplog):
     monkeypatch.setattr(cpu_kernels, "_load", lambda: (None, "simulated: no .so"))
     cpu_kernels.warn_unavailable.cache_clear()
@@ -343,6 +365,28 @@ def test_model_decode_with_kernel_equals_without(arch, dtype, loaded, monkeypatc
     err = np.abs(with_kernel - without).max() / np.abs(without).max()
     assert err < rtol, err
     np.testing.assert_array_equal(with_kernel.argmax(-1), without.argmax(-1))
+
+
+@pytest.mark.parametrize("isa", cpu_kernels.ISAS)
+def test_model_decode_on_every_path_equals_without_kernel(isa, loaded, monkeypatch):
+    """The model's decode with the path capped (HYBRIDJAX_CPU_ISA, read at trace time), so an
+    AVX-512 machine runs the avx2 and scalar paths through the whole model too: float32 [K, N]
+    weights, then bfloat16 packed panels (avx2 and avx512 widen the pairs; scalar reads them in
+    plain C++), against XLA's dots. Tolerances as in the tests above."""
+    need(isa)
+    cfg, params = loaded["qwen3_5_dense"]
+    bf = hybridjax.params.cast_params(params, "bfloat16")
+    packed = cpu_kernels.pack_params(bf.replace(lm_head=jnp.asarray(bf.embed.T)), force=True)
+    prompt = np.random.RandomState(8).randint(0, cfg.vocab_size, 7).tolist()
+    monkeypatch.setenv("HYBRIDJAX_CPU_ISA", isa)
+    ours = decode_logits(params, cfg, prompt, 4), decode_logits(packed, cfg, prompt, 4)
+    monkeypatch.delenv("HYBRIDJAX_CPU_ISA")
+    monkeypatch.setenv("HYBRIDJAX_CPU_KERNELS", "0")
+    refs = decode_logits(params, cfg, prompt, 4), decode_logits(packed, cfg, prompt, 4)
+    for got, ref, rtol in zip(ours, refs, (1e-5, 5e-2)):
+        err = np.abs(got - ref).max() / np.abs(ref).max()
+        assert err < rtol, (isa, err)
+        np.testing.assert_array_equal(got.argmax(-1), ref.argmax(-1))
 
 
 def test_generate_with_kernel_equals_without_for_a_batch(loaded, monkeypatch):
@@ -471,7 +515,7 @@ def test_pack_params_packs_the_projections_only(loaded, hf_dirs):
     assert cpu_kernels.pack_params(params, force=True) is not params  # float32: walked, nothing packed
     assert not any(isinstance(x, cpu_kernels.PackedWeight) for x in jax.tree_util.tree_leaves(
         cpu_kernels.pack_params(params, force=True), is_leaf=lambda x: isinstance(x, cpu_kernels.PackedWeight)))
-    if cpu_kernels.best_isa() == "avx512bf16":  # elsewhere pack_params leaves params as they are
+    if cpu_kernels.best_isa() in cpu_kernels.PACKED_ISAS:  # elsewhere pack_params leaves params as they are
         _, at_load = hybridjax.load_hf(hf_dirs["qwen3_5_dense"], dtype="bfloat16", pack_for_decode=True)
         assert isinstance(at_load.layers[0].ffn.up, cpu_kernels.PackedWeight)
     back = cpu_kernels.unpack_params(packed)

@@ -101,7 +101,7 @@ def _token_ids(s: str) -> list[int]:
 # Measured on CPU (benchmarks/README.md): with the CPU kernel bfloat16 prefills and decodes
 # faster than float32; float32 stays the default for its accuracy.
 DTYPE_HELP = "weights dtype (default: float32; on CPU bfloat16 prefills and decodes faster)"
-PACK_HELP = ("with --dtype bfloat16 on one CPU device with AVX512_BF16: also keep the projections as packed "
+PACK_HELP = ("with --dtype bfloat16 on one CPU device with AVX2 or AVX512_BF16: also keep the projections as packed "
              "panels that decode streams faster (about 2x float32's decode instead of 1.6x), at twice the "
              "bf16 weight memory")
 

@@ -26,7 +26,9 @@ Environment (read at trace time: call `jax.clear_caches()` after changing them i
   HYBRIDJAX_CPU_KERNELS=0     never use the kernel in `dense`;
   HYBRIDJAX_CPU_ISA=NAME      cap the path (scalar | avx2 | avx512 | avx512bf16), e.g. to test
                               a fallback on a CPU that has more;
-  HYBRIDJAX_CPU_THREADS=N     use at most N threads per call (default: XLA's pool).
+  HYBRIDJAX_CPU_THREADS=N     use at most N threads per call (default: XLA's pool);
+  HYBRIDJAX_CPU_BF16_PREFILL=widen|direct   bf16 prefill matmuls in float32 or bf16 on XLA
+                              (default: widen unless the CPU has avx512bf16; `widen_bf16_prefill`).
 """
 
 from __future__ import annotations
@@ -138,6 +140,21 @@ def supports(rows: int, x_dtype, w_dtype) -> bool:
         and jnp.dtype(x_dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
         and jnp.dtype(w_dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
     )
+
+
+def widen_bf16_prefill() -> bool:
+    """Whether `dense` widens bfloat16 prefill matmuls to float32 on CPU (at trace time).
+
+    HYBRIDJAX_CPU_BF16_PREFILL=widen | direct decides; by default widen where the CPU has no
+    bf16 dot instruction (best path below avx512bf16, or the extension is not built): there
+    XLA:CPU's bf16 x bf16 -> f32 dot ran 0.7-0.8x its float32 one (AVX2, benchmarks/README.md),
+    while with AVX512_BF16 / AMX its bf16 path is the faster one."""
+    mode = os.environ.get("HYBRIDJAX_CPU_BF16_PREFILL", "").strip().lower()
+    if mode in ("widen", "direct"):
+        return mode == "widen"
+    if mode:
+        raise ValueError(f"HYBRIDJAX_CPU_BF16_PREFILL must be widen or direct, got {mode!r}")
+    return not (available() and best_isa() == "avx512bf16")
 
 
 def _isa_code(isa: str | None) -> int:
@@ -266,6 +283,10 @@ def matmul_indexed(x, w, index, *, transposed: bool = False, isa: str | None = N
     return _matmul_indexed(x, w, index, _isa_code(isa), int(max_threads), bool(transposed))
 
 
+# Paths on which `pack_params` packs: avx512bf16 (vdpbf16ps on the pairs) and avx2 (a pair widened
+# by a shift and a mask: fewer uops per weight than the [K, N] path's widening, one stream per
+# panel). avx512 without bf16 keeps its [K, N] path (it would read panels with AVX2 code).
+PACKED_ISAS = ("avx2", "avx512bf16")
 PANEL = 32  # output columns per panel of a packed weight (two zmm registers of float32 sums)
 
 
@@ -325,9 +346,10 @@ def matmul_packed(x, p, n: int, *, isa: str | None = None, max_threads: int | No
     (`pack_bf16(w)`, bfloat16 panels [ceil(N / 32), ceil(K / 2) * 64]); n is N.
 
     The same sums as `matmul(x, w.astype(bfloat16))` up to float32 rounding (bf16 products,
-    float32 accumulation), streamed faster: on the avx512bf16 path each panel is one contiguous
-    block and its sums stay in registers. Other paths read the panels with plain C++ (correct,
-    slow): pack only where `best_isa()` is "avx512bf16". Other arguments as for `matmul`.
+    float32 accumulation), streamed faster: each panel is one contiguous block and its sums stay
+    in registers (avx512bf16: vdpbf16ps; avx2 and avx512: a pair widened by a shift and a mask).
+    The scalar path reads the panels with plain C++ (correct, slow): pack only where `best_isa()`
+    is in PACKED_ISAS. Other arguments as for `matmul`.
     """
     if not available():
         raise RuntimeError(load_error())
@@ -394,10 +416,10 @@ def pack_params(params, force: bool = False):
     """params with every bfloat16 [K, N] projection (DENSE_WEIGHTS) as a `PackedWeight`, so the
     decode path streams packed panels. Run once, when the params are placed (single device).
 
-    Does nothing (returns params) unless this CPU has the avx512bf16 path and the kernel is
-    enabled: elsewhere packed panels would be read by the slow plain-C++ fallback. `force`
-    packs anyway (tests of the fallback)."""
-    if not force and not (enabled() and best_isa() == "avx512bf16"):
+    Does nothing (returns params) unless the kernel is enabled and this CPU's best path streams
+    panels fast (PACKED_ISAS: vdpbf16ps on avx512bf16; widened pairs on avx2); elsewhere the
+    panels would be read by the plain-C++ fallback. `force` packs anyway (tests of the fallback)."""
+    if not force and not (enabled() and best_isa() in PACKED_ISAS):
         return params
 
     def pack(path, leaf):

@@ -268,6 +268,61 @@ HJ_AVX2 void Avx2TTile(const Job& j, int64_t row0, int64_t n0, int64_t n1, int64
   }
 }
 
+// Packed bf16 panels on AVX2 (the layout of the avx512bf16 path, see the top): a 32-bit lane
+// holds (w[2p, c], w[2p + 1, c]), so one 32-byte load gives both rows of 8 columns, widened
+// by a shift (row 2p) and a mask (row 2p + 1): 1.5 uops per 8 weights against 2 for the
+// [K, N] path, and a panel is one contiguous stream. Sums stay in registers over a block of
+// pairs; rows of x go in groups of at most 3 (4 ymm of sums each) over that L1-resident block.
+// Each column's sum runs over k in order, one FMA at a time, whatever the group: a row's
+// result does not depend on the other rows.
+template <int G>
+HJ_AVX2 inline void Avx2PackedGroup(const uint16_t* __restrict w, const float* __restrict x, int64_t K,
+                                    int64_t p0, int64_t p1, float* __restrict acc, int64_t stride) {
+  constexpr int64_t kAhead = 512;  // prefetch 1 KB ahead along the panel
+  const __m256i odd_mask = _mm256_set1_epi32(int(0xffff0000u));
+  __m256 a[G][4];
+  for (int r = 0; r < G; ++r)
+    for (int g = 0; g < 4; ++g) a[r][g] = _mm256_loadu_ps(acc + r * stride + 8 * g);
+  for (int64_t p = p0; p < p1; ++p, w += 64) {
+    PrefetchNext(w + kAhead);
+    PrefetchNext(w + kAhead + 32);
+    const bool has_odd = 2 * p + 1 < K;  // odd K: the last pair's second row is padding
+    for (int g = 0; g < 4; ++g) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * g));
+      const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(v, odd_mask));
+      for (int r = 0; r < G; ++r) {
+        a[r][g] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * K + 2 * p), even, a[r][g]);
+        if (has_odd) a[r][g] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * K + 2 * p + 1), odd, a[r][g]);
+      }
+    }
+  }
+  for (int r = 0; r < G; ++r)
+    for (int g = 0; g < 4; ++g) _mm256_storeu_ps(acc + r * stride + 8 * g, a[r][g]);
+}
+
+// acc rows: whole panels (stride rounded up to 32 columns), as on the avx512bf16 path.
+template <int M>
+HJ_AVX2 void Avx2PackedTile(const Job& j, int64_t row0, int64_t n0, int64_t n1, int64_t kb, int64_t ke, float* acc) {
+  constexpr int64_t kBlock = 64;  // pairs per block: 8 KB of panel, re-read from L1 by each row group
+  const uint16_t* wbase = static_cast<const uint16_t*>(j.w);
+  const int64_t kp = (j.k + 1) / 2, stride = (n1 - n0 + 31) / 32 * 32, K = j.k;
+  const float* x = j.x + row0 * K;
+  const int64_t pb = kb / 2, pe = (ke + 1) / 2;
+  std::memset(acc, 0, sizeof(float) * M * stride);
+  for (int64_t panel = n0 / 32; panel * 32 < n1; ++panel) {
+    float* out = acc + (panel * 32 - n0);
+    for (int64_t p0 = pb; p0 < pe; p0 += kBlock) {
+      const int64_t p1 = p0 + kBlock < pe ? p0 + kBlock : pe;
+      const uint16_t* w = wbase + (panel * kp + p0) * 64;
+      int r = 0;
+      for (; r + 3 <= M; r += 3) Avx2PackedGroup<3>(w, x + r * K, K, p0, p1, out + r * stride, stride);
+      if (M - r == 2) Avx2PackedGroup<2>(w, x + r * K, K, p0, p1, out + r * stride, stride);
+      if (M - r == 1) Avx2PackedGroup<1>(w, x + r * K, K, p0, p1, out + r * stride, stride);
+    }
+  }
+}
+
 // --- avx512: 16 columns per vector, masked tail ---------------------------------------
 
 HJ_AVX512 inline __m512 Load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -524,6 +579,9 @@ template <typename T> struct Paths {
   template <int M> static constexpr TileFn avx2 = Avx2Tile<M, T>;
   template <int M> static constexpr TileFn avx2_t = Avx2TTile<M, T>;
 };
+struct Avx2PackedPaths {
+  template <int M> static constexpr TileFn tile = Avx2PackedTile<M>;
+};
 template <bool kSplit> struct DpPaths {
   template <int M> static constexpr TileFn dp = Bf16DpTile<M, kSplit>;
   template <int M> static constexpr TileFn dp_t = Bf16DpTTile<M, kSplit>;
@@ -556,6 +614,14 @@ TileFn DpTile(bool transposed, bool packed, int rows) {
   return nullptr;
 }
 
+// Packed panels read by a path without vdpbf16ps: AVX2 widens them (null: plain C++).
+inline TileFn PackedTile(int isa, int rows) {
+#if HJ_X86
+  if (isa >= kAvx2) { HJ_ROWS_SWITCH(Avx2PackedPaths::template tile) }
+#endif
+  return nullptr;
+}
+
 // One unit of work: a block of <= kMaxRows rows of one job against one column tile.
 struct Item {
   int job;
@@ -584,11 +650,11 @@ void RunItem(const Plan& plan, const Item& it, float* acc) {
   const bool dp = plan.isa == kAvx512Bf16 && j.wtype == kBF16;
   TileFn fn = dp ? (plan.split ? DpTile<true>(j.transposed, j.packed, it.rows)
                                 : DpTile<false>(j.transposed, j.packed, it.rows))
-              : j.packed ? nullptr
+              : j.packed ? PackedTile(plan.isa, it.rows)
               : j.wtype == kF32 ? VectorTile<float>(plan.isa, j.transposed, it.rows)
               : j.wtype == kBF16 ? VectorTile<uint16_t>(plan.isa, j.transposed, it.rows)
                                  : VectorTile<int8_t>(plan.isa, j.transposed, it.rows);
-  if (fn) {
+  if (fn) {  // vectorised
     fn(j, it.row0, it.n0, it.n1, it.kb, it.ke, acc);
   } else if (j.packed) {
     ScalarPTile(j, it.row0, it.rows, it.n0, it.n1, it.kb, it.ke, acc);
@@ -602,7 +668,8 @@ void RunItem(const Plan& plan, const Item& it, float* acc) {
   }
   // acc rows have stride >= width (the bf16 pair path rounds it up to whole 32-column chunks).
   const int64_t width = it.n1 - it.n0;
-  const int64_t stride = dp && !j.transposed ? (width + 31) / 32 * 32 : width;
+  const bool whole_panels = (dp && !j.transposed) || (j.packed && fn);
+  const int64_t stride = whole_panels ? (width + 31) / 32 * 32 : width;
   for (int r = 0; r < it.rows; ++r) {
     const float* src = acc + r * stride;
     if (j.part) {  // a slice of K: its partial sums, added up (and scaled) by the caller
@@ -907,6 +974,7 @@ HJ_EXPORT XLA_FFI_Error* HjMatmulIndexed(XLA_FFI_CallFrame* call_frame);
 HJ_EXPORT XLA_FFI_Error* HjMatmulPacked(XLA_FFI_CallFrame* call_frame);
 HJ_EXPORT int HjBestIsa();
 HJ_EXPORT int64_t HjHelperItems();
+HJ_EXPORT uint64_t HjStreamRead(const void* p, int64_t bytes, int threads);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjMatmul, Matmul,
                               ffi::Ffi::Bind()
@@ -923,6 +991,51 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HjMatmul, Matmul,
 
 int HjBestIsa() { return hj::BestIsa(); }
 int64_t HjHelperItems() { return hj::helper_items.load(std::memory_order_relaxed); }
+
+// A plain sequential read of `bytes` (the benchmarks' bandwidth reference): `threads` contiguous
+// parts, each xor-folded 32 bytes at a time; returns the fold so the reads are not optimised out.
+namespace hj {
+#if HJ_X86
+HJ_AVX2 uint64_t ReadPart(const char* p, int64_t bytes) {
+  __m256i a = _mm256_setzero_si256(), b = a, c = a, d = a;
+  int64_t i = 0;
+  for (; i + 128 <= bytes; i += 128) {
+    a = _mm256_xor_si256(a, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)));
+    b = _mm256_xor_si256(b, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 32)));
+    c = _mm256_xor_si256(c, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 64)));
+    d = _mm256_xor_si256(d, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 96)));
+  }
+  a = _mm256_xor_si256(_mm256_xor_si256(a, b), _mm256_xor_si256(c, d));
+  uint64_t out[4];
+  std::memcpy(out, &a, 32);
+  for (; i < bytes; ++i) out[0] ^= uint8_t(p[i]);
+  return out[0] ^ out[1] ^ out[2] ^ out[3];
+}
+#else
+uint64_t ReadPart(const char* p, int64_t bytes) {
+  uint64_t s = 0;
+  for (int64_t i = 0; i < bytes; ++i) s ^= uint8_t(p[i]);
+  return s;
+}
+#endif
+}  // namespace hj
+
+uint64_t HjStreamRead(const void* p, int64_t bytes, int threads) {
+  if (threads < 1) threads = 1;
+  const char* base = static_cast<const char*>(p);
+  const int64_t part = (bytes / threads + 63) / 64 * 64;
+  std::vector<uint64_t> folds(threads, 0);
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) {
+    const int64_t b = t * part < bytes ? t * part : bytes, e = (t + 1) * part < bytes ? (t + 1) * part : bytes;
+    pool.emplace_back([&folds, base, b, e, t] { folds[t] = hj::ReadPart(base + b, e - b); });
+  }
+  folds[0] = hj::ReadPart(base, part < bytes ? part : bytes);
+  for (auto& th : pool) th.join();
+  uint64_t s = 0;
+  for (uint64_t f : folds) s ^= f;
+  return s;
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjMatmulIndexed, MatmulIndexed,
                               ffi::Ffi::Bind()
