@@ -49,7 +49,7 @@ PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 class Server:
     def __init__(self, **kw):
         cfg, params, tok = default_model()
-        sc = ServerConfig(warmup=False, max_len=512, **kw)
+        sc = ServerConfig(warmup=False, max_len=1024, **kw)
         self.engine, _ = build_engine(sc, cfg, params, tok, NAME)
         app = create_app(self.engine, NAME, warmup=False)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
