@@ -30,7 +30,7 @@ BLOCKS = python_blocks(ROOT / "README.md")
 def default_server():
     from test_server import RunningServer
 
-    s = RunningServer(model=(DEFAULT_NAME, default_model()), slots=2, max_len=512, warmup=False)
+    s = RunningServer(model=(DEFAULT_NAME, default_model()), slots=2, max_len=2048, warmup=False)
     yield s
     s.stop()
 

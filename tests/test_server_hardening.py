@@ -205,7 +205,7 @@ def test_one_log_line_per_request(server, caplog):
         r = post(server, "/v1/completions", {"model": MODEL, "prompt": "log me", "max_tokens": 3, "temperature": 0})
     assert r.status_code == 200
     lines = [rec.getMessage() for rec in caplog.records if rec.name == "hybridjax.server"]
-    assert any(re.fullmatch(r"completion: prompt 6 tokens \(cached \d+\), generated 3, ttft [\d.]+ s, [\d.]+ tok/s, "
+    assert any(re.fullmatch(r"completion: prompt 6 tokens \(cached \d+ from \w+: [^)]+\), generated 3, ttft [\d.]+ s, [\d.]+ tok/s, "
                             r"length", line) for line in lines), lines
 
 
