@@ -63,8 +63,13 @@ run: $(RUNTIME)
 # JAX-version drift on Python 3.12 + JAX 0.11.
 test: test-jax010 test-jax011
 
+# One pytest worker per core, each taking whole test files (modules share compiled programs and
+# servers); TEST_WORKERS=0 runs in this process.
+TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
+PYTEST := -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
 test-jax010: $(TESTENV)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python $(PYTEST) tests
 
 test-quick: $(TESTENV)
 	$(BIN)/python -m pytest -q -x $(QUICK_TESTS)
@@ -83,7 +88,7 @@ JAX011_TESTS ?= tests/test_pallas.py tests/test_paged_kernel.py tests/test_group
 	tests/test_delta_rule.py tests/test_default_model.py tests/test_engine.py \
 	tests/test_gpu_check.py tests/test_mosaic.py
 test-jax011: $(JAX011)
-	$(BIN312)/python -m pytest -q $(JAX011_TESTS)
+	$(BIN312)/python $(PYTEST) $(JAX011_TESTS)
 
 # On a GPU machine from a plain checkout (nothing installed): every kernel against its reference,
 # kernel timings, generate and serve figures; OUT=folder for the JSON and the markdown table.
