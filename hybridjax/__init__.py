@@ -31,11 +31,11 @@ _checkout = _Path(__file__).resolve().parent.parent
 if not (_Path(__file__).parent / "pallas_kernels").exists() and (_checkout / "pallas_kernels" / "__init__.py").exists():
     __path__.append(str(_checkout))
 
-from hybridjax.cache import Cache, GDNState, KVState, init_cache, reserve
+from hybridjax.cache import Cache, GDNState, KVState, reserve
 from hybridjax.config import Config, ConfigError, config_from_dict, load_config
 from hybridjax.model import forward
 from hybridjax.params import Params, init_params
-from hybridjax.sharding import MeshError, make_mesh, shard_cache, shard_params
+from hybridjax.sharding import MeshError, init_cache, make_mesh, shard_cache, shard_params
 from hybridjax.text import Model, load_model
 
 __version__ = "0.1.0"

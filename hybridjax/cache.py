@@ -79,20 +79,15 @@ def bucket(n: int, max_len: int) -> int:
     return min(cap, max_len)
 
 
-def tensor_size(mesh) -> int:
-    """The size of a mesh's `tensor` axis (1 without a mesh): how many shards the KV heads span."""
-    return 1 if mesh is None else int(dict(mesh.shape).get("tensor", 1))
-
-
 def init_cache(cfg: Config, batch_size: int, max_len: int, dtype=jnp.float32, capacity: int | None = None,
-               mesh=None) -> Cache:
+               kv_shards: int = 1) -> Cache:
     """An empty cache for `batch_size` rows of up to `max_len` tokens each.
 
     KV buffers start at `capacity` tokens (default: the smallest bucket) and grow on demand.
     Buffers are made with `jnp.zeros` so that no two leaves share memory (donation needs that).
-    `mesh`: place it on a device mesh (`hybridjax.sharding.shard_cache`: KV and GDN state by
-    heads, rows on `data` when they divide). With more tensor shards than KV heads, each KV head
-    is held once per shard that needs it (`Config.kv_heads_laid_out`).
+    `kv_shards`: the tensor shards the KV heads will be split over; with more shards than KV heads,
+    each KV head is held once per shard that needs it (`Config.kv_heads_laid_out`). Placing the
+    cache on a mesh is `hybridjax.sharding.init_cache` (the facade's `init_cache(..., mesh=)`).
     """
     if batch_size < 1 or max_len < 1:
         raise ValueError(f"init_cache: batch_size and max_len must be >= 1, got {batch_size}, {max_len}")
@@ -101,7 +96,7 @@ def init_cache(cfg: Config, batch_size: int, max_len: int, dtype=jnp.float32, ca
     layers = []
     for t in cfg.layer_types:
         if t == FULL:
-            shape = (b, cap, cfg.kv_heads_laid_out(tensor_size(mesh)), cfg.head_dim)
+            shape = (b, cap, cfg.kv_heads_laid_out(kv_shards), cfg.head_dim)
             layers.append(KVState(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)))
         else:
             hv, k, v = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -111,12 +106,7 @@ def init_cache(cfg: Config, batch_size: int, max_len: int, dtype=jnp.float32, ca
                     ssm=jnp.zeros((b, hv, k, v), jnp.float32),
                 )
             )
-    cache = Cache(layers=tuple(layers), lengths=jnp.zeros((b,), jnp.int32), max_len=int(max_len))
-    if mesh is not None:
-        from hybridjax.sharding import shard_cache  # sharding sits above cache
-
-        cache = shard_cache(cache, mesh)
-    return cache
+    return Cache(layers=tuple(layers), lengths=jnp.zeros((b,), jnp.int32), max_len=int(max_len))
 
 
 def with_capacity(cache: Cache, capacity: int) -> Cache:

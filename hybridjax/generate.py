@@ -21,12 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from hybridjax.cache import Cache, KVState, init_cache, reserve
+from hybridjax.cache import Cache, KVState, reserve
 from hybridjax.config import Config
 from hybridjax.model import forward, forward_hidden, lm_logits
 from hybridjax.params import Params
 from hybridjax.sampling import (Sampler, SamplingParams, init_sampler, logprobs_of, next_token,  # noqa: F401  (re-exported)
                                 sampling_params)
+from hybridjax.sharding import init_cache
 from hybridjax.speculative import check_speculative, generate_speculative
 
 Array = jax.Array

@@ -26,10 +26,13 @@ import math
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from hybridjax import cache as cache_lib
+from hybridjax.cache import GDNState, KVState, PagedKV
 from hybridjax.config import Config
 
 AXES = ("data", "tensor", "expert")
@@ -271,8 +274,6 @@ def batch_axis(mesh, batch: int):
 def state_specs(state, mesh, batch: int):
     """PartitionSpecs for one layer's state: KV [B|P, S, Hkv, Dh] and GDN ssm [B, Hv, K, V] by
     heads, the GDN conv state [B, W-1, C] by channel (as in_qkv), rows on `data`."""
-    from hybridjax.cache import GDNState, KVState, PagedKV
-
     b = batch_axis(mesh, batch)
     if isinstance(state, KVState):
         return KVState(k=P(b, None, "tensor", None), v=P(b, None, "tensor", None))
@@ -282,6 +283,15 @@ def state_specs(state, mesh, batch: int):
     if isinstance(state, GDNState):
         return GDNState(conv=P(b, None, "tensor"), ssm=P(b, "tensor", None, None))
     raise TypeError(f"no partition rule for a layer state of type {type(state).__name__}")
+
+
+def init_cache(cfg: Config, batch_size: int, max_len: int, dtype=jnp.float32, capacity: int | None = None,
+               mesh: Mesh | None = None) -> cache_lib.Cache:
+    """`hybridjax.cache.init_cache`, placed on `mesh` when one is given (the facade's `init_cache`):
+    the KV heads laid out for its `tensor` axis, then every leaf put on its devices."""
+    kv_shards = axis_size(mesh, "tensor")
+    empty = cache_lib.init_cache(cfg, batch_size, max_len, dtype, capacity, kv_shards=kv_shards)
+    return empty if mesh is None else shard_cache(empty, mesh)
 
 
 def shard_cache(cache, mesh: Mesh):
