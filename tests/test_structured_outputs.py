@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import threading
-import time
 
 import jsonschema
 import openai
 import pytest
-import uvicorn
-from test_server import free_port
+from test_server import RunningServer
 
 from hybridjax.default_model import default_model
-from hybridjax.server.app import ServerConfig, build_engine, create_app
 
 NAME = "default"
 SCHEMA = {
@@ -46,30 +42,14 @@ TOOLS = [
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
-class Server:
-    def __init__(self, **kw):
-        cfg, params, tok = default_model()
-        sc = ServerConfig(warmup=False, max_len=1024, **kw)
-        self.engine, _ = build_engine(sc, cfg, params, tok, NAME)
-        app = create_app(self.engine, NAME, warmup=False)
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 60
-        while not self.server.started:
-            assert time.time() < deadline, "server did not start"
-            time.sleep(0.05)
-        port = self.server.config.port
-        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=60)
+def default_server(**kw) -> RunningServer:
+    """A server on the embedded default model, whose template renders tools."""
+    return RunningServer(model=(NAME, default_model()), warmup=False, max_len=1024, **kw)
 
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server(slots=4)
+    s = default_server(slots=4)
     yield s
     s.stop()
 
@@ -155,7 +135,7 @@ def test_a_schema_that_cannot_compile_is_a_400(server):
 
 
 def test_speculative_engine_decodes_constrained_rows_without_drafts(server):
-    spec = Server(slots=2, speculative_tokens=2)
+    spec = default_server(slots=2, speculative_tokens=2)
     try:
         for fmt in (schema_format(), {"type": "json_object"}):
             want = ask(server, "Describe a person as JSON.", temperature=0, response_format=fmt).choices[0].message.content
