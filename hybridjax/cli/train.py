@@ -22,7 +22,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from hybridjax.cli import int_at_least
+from hybridjax.cli.common import int_at_least
 
 RUN_KEYS = ("model", "config", "data", "batch_size", "seq_len", "lr", "lora_rank", "grad_accum", "warmup",
             "mtp_weight", "compute_dtype", "seed", "steps")
@@ -62,7 +62,7 @@ def add_train(sub) -> None:
 
 
 def cmd_train(args) -> int:
-    from hybridjax.cli import CLIError
+    from hybridjax.cli.common import CLIError
     from hybridjax import train
 
     out = Path(args.out)
