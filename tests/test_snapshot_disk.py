@@ -1,0 +1,234 @@
+"""The prefix cache's disk tier (hybridjax.snapshot_disk, issue 26 item 2).
+
+Snapshots are written as they are stored, with an fsync'd append-only manifest, so a kill -9 loses
+at most what the writer had not finished; a restart restores the rest, and a snapshot evicted from
+memory comes back from disk on a hit. Every restored or disk-tier snapshot is checked the one way
+that matters: the request that uses it gives the cold path's greedy tokens (`engine_helpers.cold`,
+or a server without a prefix cache), token for token.
+
+The in-process "crash": an engine whose writer has made its queue durable (`flush`) and is then
+dropped without closing, which is the state a kill -9 leaves once the writer caught up; the real
+kill -9 of a `hybridjax serve` process is tested too (`test_kill_9_mid_traffic_...`).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from engine_helpers import ENGINE_KW, cold, ids, run
+from test_server import RunningServer, free_port
+
+from hybridjax.default_model import DEFAULT_NAME, TINY_NAME, default_model, tiny_test_model
+from hybridjax.engine import Engine
+from hybridjax.prefix_cache import SnapshotStore
+from hybridjax.snapshot_disk import MAGIC, attach_disk, decode_records, detach_disk
+
+MODEL_ID = "disk-tier"
+NEW = 6
+PROMPTS = [ids(f"{c} durable prompt, side") for c in "ABCDEF"]
+
+
+def _engine(**store_kw) -> Engine:
+    cfg, params, tok = tiny_test_model()
+    return Engine(cfg, params, tok, store=SnapshotStore(MODEL_ID, policy="lru", **store_kw), checkpoint_interval=16,
+                  **ENGINE_KW)
+
+
+def _serve_then_crash(directory, prompts, **store_kw) -> Engine:
+    """Serve `prompts` with a disk tier, let the writer catch up, and drop the engine unclosed."""
+    eng = _engine(**store_kw)
+    attach_disk(eng, directory)
+    eng.start()
+    try:
+        for p in prompts:
+            assert run(eng, p, NEW).token_ids == cold(p, NEW)
+    finally:
+        eng.stop()
+    assert eng.store.disk.flush(60)
+    return eng
+
+
+def _restart(directory, **store_kw) -> Engine:
+    eng = _engine(**store_kw)
+    attach_disk(eng, directory)
+    assert len(eng.store) == 0  # restored lazily: everything comes back as a disk hit
+    return eng
+
+
+def _every_disk_snapshot_answers_cold(eng: Engine) -> int:
+    """Ask for exactly the tokens of each snapshot on disk: an exact hit from disk, cold's tokens."""
+    entries = [e.tokens for e in eng.store.disk.index.entries.values()]
+    eng.start()
+    try:
+        for tokens in entries:
+            h = run(eng, list(tokens), 3)
+            assert (h.cached_tokens, h.cache_report.source) == (len(tokens), "disk"), (len(tokens), h.cache_report)
+            assert h.token_ids == cold(list(tokens), 3), f"a disk snapshot of {len(tokens)} tokens answers wrong"
+    finally:
+        eng.stop()
+        detach_disk(eng)
+    return len(entries)
+
+
+def test_every_snapshot_written_before_a_crash_is_restored_and_answers_cold(tmp_path):
+    a = _serve_then_crash(tmp_path, PROMPTS[:3])
+    written = a.store.disk.counters["snapshots_written"]
+    assert written == a.store.counters["inserts"] > 0
+    b = _restart(tmp_path)
+    assert len(b.store.disk.index.entries) == written
+    assert _every_disk_snapshot_answers_cold(b) == written
+
+
+def test_a_torn_manifest_tail_is_ignored_and_the_records_before_it_restore(tmp_path, caplog):
+    a = _serve_then_crash(tmp_path, PROMPTS[:2])
+    written = len(a.store.disk.index.entries)
+    manifest = tmp_path / MODEL_ID / "manifest"
+    data = manifest.read_bytes()
+    records, used = decode_records(data[len(MAGIC):])
+    assert used == len(data) - len(MAGIC) and len(records) == written + 1  # the header, then one put each
+    manifest.write_bytes(data[:-25])  # a kill -9 in the middle of appending the last record
+    with caplog.at_level(logging.WARNING, logger="hybridjax.prefix_cache"):
+        b = _restart(tmp_path)
+    assert "cut-short record" in caplog.text, caplog.text
+    assert len(b.store.disk.index.entries) == written - 1
+    # The restart rewrote the manifest without the tail, and deleted the files only the torn record named.
+    assert decode_records(manifest.read_bytes()[len(MAGIC):])[1] == len(manifest.read_bytes()) - len(MAGIC)
+    assert len(list((tmp_path / MODEL_ID / "states").iterdir())) == written - 1
+    assert _every_disk_snapshot_answers_cold(b) == written - 1
+
+
+def test_a_damaged_disk_snapshot_is_never_served(tmp_path, caplog):
+    _serve_then_crash(tmp_path, PROMPTS[:1])
+    b = _restart(tmp_path)
+    for page in (tmp_path / MODEL_ID / "pages").iterdir():  # one flipped byte in every page file
+        raw = bytearray(page.read_bytes())
+        raw[-1] ^= 1
+        page.write_bytes(bytes(raw))
+    b.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="hybridjax.prefix_cache"):
+            h = run(b, PROMPTS[0], NEW)
+        assert h.token_ids == cold(PROMPTS[0], NEW)
+        assert h.cache_report.source != "disk" and h.cached_tokens == 0
+        assert "is unreadable" in caplog.text
+    finally:
+        b.stop()
+        detach_disk(b)
+
+
+def test_the_disk_budget_holds_and_no_file_outlives_its_records(tmp_path):
+    budget = 60_000  # bytes: about two conversations of the tiny model
+    a = _serve_then_crash(tmp_path, PROMPTS, disk_bytes=budget)
+    tier = a.store.disk
+    root = tmp_path / MODEL_ID
+    on_disk = sum(f.stat().st_size for sub in ("pages", "states") for f in (root / sub).iterdir())
+    assert tier.counters["disk_evictions"] > 0
+    assert on_disk == tier.index.nbytes <= budget, (on_disk, tier.index.nbytes)
+    assert {f.name for f in (root / "states").iterdir()} == set(tier.index.entries)
+    assert {f.name for f in (root / "pages").iterdir()} == {p.hex() for p in tier.index.page_refs}
+    b = _restart(tmp_path, disk_bytes=budget)
+    assert set(b.store.disk.index.entries) == set(tier.index.entries)
+    _every_disk_snapshot_answers_cold(b)
+
+
+# --- the server ------------------------------------------------------------------------------------
+
+
+def _chat(server_url: str, messages: list[dict], model: str = DEFAULT_NAME, max_tokens: int = 8) -> dict:
+    r = httpx.post(server_url + "/v1/chat/completions", timeout=300, json={
+        "model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _report(out: dict) -> dict:
+    return out["usage"]["prompt_tokens_details"]["prefix_cache"]
+
+
+def test_a_snapshot_evicted_from_memory_comes_back_from_disk(tmp_path):
+    # About two snapshots fit in memory: three other conversations push the first one out.
+    s = RunningServer(slots=2, max_len=512, warmup=False, cache_dir=str(tmp_path), cache_mb=0.1,
+                      checkpoint_interval=0)
+    try:
+        first = [{"role": "user", "content": "Tell me about the disk tier."}]
+        a1 = _chat(s.url, first, TINY_NAME)
+        for other in ("What is a page?", "Why fsync?", "Name a prime."):
+            _chat(s.url, [{"role": "user", "content": other}], TINY_NAME)
+        prompt = s.engine.tokenizer.encode(s.engine.tokenizer.render_chat(first, add_generation_prompt=True))
+        assert not [x for x in s.store.snapshots() if tuple(prompt[:len(x.tokens)]) == x.tokens[:len(prompt)]]
+        assert s.store.disk.flush(60)
+        a2 = _chat(s.url, first, TINY_NAME)
+        assert _report(a2) == {"matched_tokens": len(prompt), "source": "disk", "reason": "hit"}
+        assert a2["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt)
+        assert a2["choices"][0]["message"] == a1["choices"][0]["message"]  # a1 was the cold answer
+    finally:
+        s.stop()
+
+
+def _serve_process(directory: Path, port: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "hybridjax.cli", "serve", "--prefix-cache-dir", str(directory),
+                             "--port", str(port), "--no-warmup", "--no-compile-cache", "--max-len", "1024",
+                             "--checkpoint-interval", "0"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_ready(proc: subprocess.Popen, url: str) -> None:
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.stderr.read()
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("the server did not come up")
+
+
+def test_kill_9_mid_traffic_then_restart_the_next_turn_is_a_disk_hit_equal_to_cold(tmp_path):
+    turn1 = [{"role": "user", "content": "Remember the number 4096, please."}]
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = _serve_process(tmp_path, port)
+    try:
+        _wait_ready(proc, url)
+        answer = _chat(url, turn1)["choices"][0]["message"]["content"]
+        for i in range(4):  # more traffic, the last of it still running when the process dies
+            _chat(url, [{"role": "user", "content": f"Unrelated question {i}."}])
+        time.sleep(1.5)  # the writer's about-one-second window
+        burst = [subprocess.Popen([sys.executable, "-c", (
+            "import httpx,sys; httpx.post(sys.argv[1], json={'model': sys.argv[3], 'max_tokens': 64, "
+            "'messages': [{'role': 'user', 'content': sys.argv[2]}]}, timeout=60)"),
+            url + "/v1/chat/completions", f"in flight {i}", DEFAULT_NAME], stderr=subprocess.DEVNULL) for i in range(3)]
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        for b in burst:
+            b.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    turn2 = turn1 + [{"role": "assistant", "content": answer}, {"role": "user", "content": "Which number was it?"}]
+    proc = _serve_process(tmp_path, port)
+    try:
+        _wait_ready(proc, url)
+        warm = _chat(url, turn2)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    report = _report(warm)
+    assert report["source"] == "disk" and report["matched_tokens"] > 0, report
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == report["matched_tokens"]
+    cold_server = RunningServer(model=(DEFAULT_NAME, default_model()), slots=4, max_len=1024, warmup=False,
+                                prefix_cache=False)
+    try:
+        assert _chat(cold_server.url, turn2)["choices"][0]["message"] == warm["choices"][0]["message"]
+    finally:
+        cold_server.stop()
