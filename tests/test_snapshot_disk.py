@@ -28,7 +28,8 @@ from test_server import RunningServer, free_port
 from hybridjax.default_model import DEFAULT_NAME, TINY_NAME, default_model, tiny_test_model
 from hybridjax.engine import Engine
 from hybridjax.prefix_cache import SnapshotStore
-from hybridjax.snapshot_disk import MAGIC, attach_disk, decode_records, detach_disk
+from hybridjax import cli
+from hybridjax.snapshot_disk import MAGIC, FormatRefused, attach_disk, decode_records, detach_disk, encode_record
 
 MODEL_ID = "disk-tier"
 NEW = 6
@@ -138,6 +139,41 @@ def test_the_disk_budget_holds_and_no_file_outlives_its_records(tmp_path):
     _every_disk_snapshot_answers_cold(b)
 
 
+def test_a_format_3_directory_is_read_and_converted(tmp_path):
+    old = _engine()
+    old.start()
+    try:
+        for p in PROMPTS[:2]:
+            run(old, p, NEW)
+    finally:
+        old.stop()
+    saved = old.save_snapshots(tmp_path)  # what a clean shutdown of an earlier version left
+    assert saved > 0 and list(tmp_path.glob("*.snapshot"))
+    eng = _engine()
+    attach_disk(eng, tmp_path)
+    assert not list(tmp_path.glob("*.snapshot")) and not list(tmp_path.glob("*.pages"))  # converted, then gone
+    assert len(eng.store.disk.index.entries) == saved
+    detach_disk(eng)
+    assert _every_disk_snapshot_answers_cold(_restart(tmp_path)) == saved
+
+
+def test_a_manifest_of_another_format_is_refused_and_left_untouched(tmp_path):
+    root = tmp_path / MODEL_ID
+    root.mkdir()
+    manifest = MAGIC + encode_record({"op": "header", "version": 5, "model_id": MODEL_ID})
+    (root / "manifest").write_bytes(manifest)
+    with pytest.raises(FormatRefused, match="is snapshot format 5 .* this server reads format 4"):
+        attach_disk(_engine(), tmp_path)
+    assert (root / "manifest").read_bytes() == manifest
+
+
+def test_the_disk_budget_without_a_directory_is_a_one_line_error(capsys):
+    assert cli.main(["serve", "--prefix-cache-disk-mb", "10"]) == cli.EXIT_ERROR
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["hybridjax serve: error: --prefix-cache-disk-mb needs --prefix-cache-dir (the directory the "
+                   "disk tier lives in)"], err
+
+
 # --- the server ------------------------------------------------------------------------------------
 
 
@@ -168,6 +204,8 @@ def test_a_snapshot_evicted_from_memory_comes_back_from_disk(tmp_path):
         assert _report(a2) == {"matched_tokens": len(prompt), "source": "disk", "reason": "hit"}
         assert a2["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt)
         assert a2["choices"][0]["message"] == a1["choices"][0]["message"]  # a1 was the cold answer
+        assert s.metric("hybridjax_prefix_cache_disk_hits_total") >= 1
+        assert 0 < s.metric("hybridjax_prefix_cache_disk_bytes") <= 4096 * 2**20
     finally:
         s.stop()
 
