@@ -565,8 +565,12 @@ class _SafeUnpickler(pickle.Unpickler):
         ("numpy._core.numeric", "_frombuffer"), ("numpy.core.numeric", "_frombuffer"),
     }
 
+    # 16- and 8-bit floats (a bfloat16 model's pages and state) are ml_dtypes scalar types.
+    ML_DTYPES = {"bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float16"}
+
     def find_class(self, module, name):
-        if (module, name) in self.ALLOWED or module.startswith("numpy.dtypes"):
+        if ((module, name) in self.ALLOWED or module.startswith("numpy.dtypes")
+                or (module == "ml_dtypes" and name in self.ML_DTYPES)):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"forbidden class {module}.{name} in a snapshot file")
 

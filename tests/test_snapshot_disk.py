@@ -21,13 +21,15 @@ import time
 from pathlib import Path
 
 import httpx
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from engine_helpers import ENGINE_KW, cold, ids, run
 from test_server import RunningServer, free_port
 
 from hybridjax.default_model import DEFAULT_NAME, TINY_NAME, default_model, tiny_test_model
 from hybridjax.engine import Engine
-from hybridjax.prefix_cache import SnapshotStore
+from hybridjax.prefix_cache import SnapshotStore, _read_file, _write_file
 from hybridjax import cli
 from hybridjax.snapshot_disk import MAGIC, FormatRefused, attach_disk, decode_records, detach_disk, encode_record
 
@@ -137,6 +139,14 @@ def test_the_disk_budget_holds_and_no_file_outlives_its_records(tmp_path):
     b = _restart(tmp_path, disk_bytes=budget)
     assert set(b.store.disk.index.entries) == set(tier.index.entries)
     _every_disk_snapshot_answers_cold(b)
+
+
+def test_bfloat16_pages_and_states_read_back(tmp_path):
+    # A bfloat16 model's pages are bfloat16 (an ml_dtypes type): they must load, bit for bit.
+    k = np.asarray(jnp.arange(12, dtype=jnp.float32).reshape(1, 3, 4), dtype=jnp.bfloat16)
+    digest = _write_file(tmp_path / "page", {"k": (k,), "v": (k,)}, sync=True)
+    back = _read_file(tmp_path / "page", digest=digest)["k"][0]
+    assert back.dtype == k.dtype and back.tobytes() == k.tobytes()
 
 
 def test_a_format_3_directory_is_read_and_converted(tmp_path):
