@@ -36,9 +36,10 @@ import pickle
 import queue
 import struct
 import threading
+import time
 from collections import Counter, OrderedDict
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import jax
 import numpy as np
@@ -135,15 +136,16 @@ class DiskIndex:
         self.page_refs: Counter = Counter()
         self.page_size: dict[bytes, int] = {}
         self.clock = 0.0  # GDSF's clock on disk
+        self.nbytes = 0  # state files plus distinct page files
 
-    @property
-    def nbytes(self) -> int:
-        return sum(e.state_bytes for e in self.entries.values()) + sum(self.page_size[p] for p in self.page_refs)
 
     def add(self, e: DiskEntry) -> None:
         e.priority = gdsf(self.clock, e.hits, len(e.tokens), e.nbytes)
         self.entries[e.name] = e
+        self.nbytes += e.state_bytes
         for p in e.pages:
+            if not self.page_refs[p]:
+                self.nbytes += e.page_bytes
             self.page_refs[p] += 1
             self.page_size[p] = e.page_bytes
 
@@ -155,10 +157,12 @@ class DiskIndex:
         if evicted:
             self.clock = max(self.clock, e.priority)
         dead = []
+        self.nbytes -= e.state_bytes
         for p in e.pages:
             self.page_refs[p] -= 1
             if self.page_refs[p] <= 0:
-                del self.page_refs[p], self.page_size[p]
+                self.nbytes -= self.page_size.pop(p)
+                del self.page_refs[p]
                 dead.append(p)
         return e, dead
 
@@ -313,7 +317,9 @@ class DiskTier:
         path = self.root / "manifest"
         tmp = path.with_name("manifest" + TMP_SUFFIX)
         body = MAGIC + encode_record({"op": "header", "version": FORMAT_VERSION, "model_id": self.model_id})
-        body += b"".join(encode_record(e.record()) for e in self.index.entries.values())
+        with self._lock:  # a hit may reorder the entries meanwhile
+            live = list(self.index.entries.values())
+        body += b"".join(encode_record(e.record()) for e in live)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(body)
@@ -440,6 +446,7 @@ class DiskTier:
     def _write_batch(self, work: list) -> None:
         """Write the files of each put (fsync'd), append its record, then the del records (the
         disk budget's too), fsync the manifest, and only then delete the files they free."""
+        t0 = time.perf_counter()
         records, dead_files = [], []
         for item in work:
             if isinstance(item, _Put):
@@ -459,6 +466,8 @@ class DiskTier:
         self._manifest.flush()
         os.fsync(self._manifest.fileno())
         self.counters["records_written"] += len(records)
+        self.counters["batches"] += 1
+        self.counters["write_seconds"] += time.perf_counter() - t0
         for path in dead_files:
             path.unlink(missing_ok=True)
         with self._lock:
@@ -492,12 +501,14 @@ class DiskTier:
                     _write_file(path, {"k": tuple(k[i] for k in read.host[0]), "v": tuple(v[i] for v in read.host[1])},
                                 sync=True)
                     self.counters["pages_written"] += 1
+                    self.counters["bytes_written"] += path.stat().st_size
                 page_size = path.stat().st_size
             payload = {"version": FORMAT_VERSION, "model_id": self.model_id, "namespace": item.namespace,
                        "kind": item.kind, "tokens": np.asarray(item.tokens, np.int32),
                        "cache": jax.tree_util.tree_map(np.asarray, item.cache), "logits": np.asarray(item.logits)}
             state_path = self.root / "states" / item.name
             sha = _write_file(state_path, payload, sync=True)
+            self.counters["bytes_written"] += state_path.stat().st_size
         finally:
             for read in reads:  # the digests stay: a later snapshot naming these pages finds them on disk
                 read.drop()
