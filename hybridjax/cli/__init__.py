@@ -362,7 +362,7 @@ def _add_serve(sub) -> None:
                    help="write snapshots here as they are stored (kept across restarts and kill -9; "
                         "evicted ones stay on disk and come back on a hit)")
     p.add_argument("--prefix-cache-disk-mb", type=_positive_float, default=None,
-                   help="disk budget for --prefix-cache-dir in MB (default 4096)")
+                   help="disk budget for --prefix-cache-dir in MB (default: 4096)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
     p.add_argument("--api-key-file", help="accept every key in this file (one per line); each key has its own cache")
     p.add_argument("--max-body-mb", type=_positive_float, default=8.0, help="largest request body in MB (413 above)")
