@@ -54,6 +54,7 @@ MAGIC = b"HJXMANIF"  # the manifest's first bytes; its first record says the for
 REC_MAGIC = b"HJXR"
 _REC_HEAD = struct.Struct("<4sI32s")  # magic, body length, SHA-256 of the body
 MAX_BACKLOG = 512  # snapshots waiting for the writer; past it new ones are not persisted (counted)
+COMPACT_AFTER = 64  # the writer rewrites the manifest once dead records outnumber live ones and this
 
 
 class FormatRefused(ValueError):
@@ -252,6 +253,8 @@ class DiskTier:
         self._dead_records = 0
         self._failed = False
         self._sizes = buckets(getattr(device, "pages_per_row", 0))
+        pool = getattr(device, "pool", None)
+        self.page_tokens = pool.page_size if pool is not None else 0  # pages of another size cannot load
         self._open()
         self._manifest = open(self.root / "manifest", "ab")
         self._thread = threading.Thread(target=self._run, name="hybridjax-snapshot-writer", daemon=True)
@@ -271,13 +274,17 @@ class DiskTier:
                                    or header.get("model_id") != self.model_id):
             raise FormatRefused(f"{path} is snapshot format {header.get('version')} for {header.get('model_id')}; "
                                 f"this server reads format {FORMAT_VERSION} for {self.model_id}: move it away")
+        if header is not None and header.get("page_tokens") != self.page_tokens:
+            raise FormatRefused(f"{path} holds KV pages of {header.get('page_tokens')} tokens; this server's pages "
+                                f"hold {self.page_tokens}: serve with --page-size {header.get('page_tokens')}, or "
+                                "move the directory away")
         torn = len(data) - len(MAGIC) - used if data else 0
         if torn:
             log.warning("prefix cache: %s ends in %d bytes of a cut-short record (a crash mid-write); "
                         "ignored, the %d records before it are kept", path, torn, max(len(records) - 1, 0))
         pages = {p.name for p in (self.root / "pages").iterdir()}
         states = {p.name for p in (self.root / "states").iterdir()}
-        missing = 0
+        missing, dead = 0, 0
         for r in records[1:]:
             if r.get("op") == "put":
                 e = DiskEntry.from_record(r)
@@ -287,14 +294,15 @@ class DiskTier:
                 else:
                     missing += 1
             elif r.get("op") == "del":
-                self.index.remove(r["name"])
+                dead += 2 if self.index.remove(r["name"]) is not None else 1
         if missing:
             log.warning("prefix cache: %d snapshot records in %s name files that are gone; dropped", missing, path)
         self._collect(pages, states)
-        dead: list[Path] = []
-        self._enforce_budget(dead)
-        self._rewrite()  # durable before the files its evictions free are deleted
-        for f in dead:
+        freed: list[Path] = []
+        self._enforce_budget(freed)
+        if header is None or torn or missing or dead or freed:
+            self._rewrite()  # the live records only; durable before the files its evictions free are deleted
+        for f in freed:
             f.unlink(missing_ok=True)
         self.counters["restored_records"] = len(self.index.entries)
 
@@ -316,7 +324,8 @@ class DiskTier:
         """The manifest with the live records only: written aside, fsync'd, renamed (atomic)."""
         path = self.root / "manifest"
         tmp = path.with_name("manifest" + TMP_SUFFIX)
-        body = MAGIC + encode_record({"op": "header", "version": FORMAT_VERSION, "model_id": self.model_id})
+        body = MAGIC + encode_record({"op": "header", "version": FORMAT_VERSION, "model_id": self.model_id,
+                                      "page_tokens": self.page_tokens})
         with self._lock:  # a hit may reorder the entries meanwhile
             live = list(self.index.entries.values())
         body += b"".join(encode_record(e.record()) for e in live)
@@ -472,7 +481,7 @@ class DiskTier:
             path.unlink(missing_ok=True)
         with self._lock:
             live = len(self.index.entries)
-        if self._dead_records > max(64, live):
+        if self._dead_records > max(COMPACT_AFTER, live):
             self._manifest.close()
             self._rewrite()
             self._manifest = open(self.root / "manifest", "ab")

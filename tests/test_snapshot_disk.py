@@ -30,7 +30,7 @@ from test_server import RunningServer, free_port
 from hybridjax.default_model import DEFAULT_NAME, TINY_NAME, default_model, tiny_test_model
 from hybridjax.engine import Engine
 from hybridjax.prefix_cache import SnapshotStore, _read_file, _write_file
-from hybridjax import cli
+from hybridjax import cli, snapshot_disk
 from hybridjax.snapshot_disk import MAGIC, FormatRefused, attach_disk, decode_records, detach_disk, encode_record
 
 MODEL_ID = "disk-tier"
@@ -175,6 +175,13 @@ def test_a_manifest_of_another_format_is_refused_and_left_untouched(tmp_path):
     with pytest.raises(FormatRefused, match="is snapshot format 5 .* this server reads format 4"):
         attach_disk(_engine(), tmp_path)
     assert (root / "manifest").read_bytes() == manifest
+    # pages of another size (a restart with another --page-size) would not fit the pool
+    manifest = MAGIC + encode_record({"op": "header", "version": 4, "model_id": MODEL_ID, "page_tokens": 64})
+    (root / "manifest").write_bytes(manifest)
+    with pytest.raises(FormatRefused, match="holds KV pages of 64 tokens; this server's pages hold 16: serve with "
+                                            "--page-size 64"):
+        attach_disk(_engine(), tmp_path)
+    assert (root / "manifest").read_bytes() == manifest
 
 
 def test_the_disk_budget_without_a_directory_is_a_one_line_error(capsys):
@@ -182,6 +189,23 @@ def test_the_disk_budget_without_a_directory_is_a_one_line_error(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["hybridjax serve: error: --prefix-cache-disk-mb needs --prefix-cache-dir (the directory the "
                    "disk tier lives in)"], err
+
+
+def test_the_manifest_is_compacted_when_dead_records_dominate(tmp_path, monkeypatch):
+    monkeypatch.setattr(snapshot_disk, "COMPACT_AFTER", 0)
+    a = _serve_then_crash(tmp_path, PROMPTS[:2])
+    tier = a.store.disk
+    keep = next(iter(tier.index.entries.values()))
+    gone = [e for e in tier.index.entries.values() if e is not keep]
+    for e in gone:  # what the store does when a conversation moves past its snapshots
+        tier.superseded(e.namespace, e.tokens)
+    assert tier.flush(60) and tier.counters["manifest_rewrites"] >= 1
+    records, _ = decode_records((tmp_path / MODEL_ID / "manifest").read_bytes()[len(MAGIC):])
+    assert [r["op"] for r in records] == ["header", "put"] and records[1]["name"] == keep.name
+    assert [f.name for f in (tmp_path / MODEL_ID / "states").iterdir()] == [keep.name]
+    b = _restart(tmp_path)
+    assert list(b.store.disk.index.entries) == [keep.name]
+    assert _every_disk_snapshot_answers_cold(b) == 1
 
 
 # --- the server ------------------------------------------------------------------------------------
