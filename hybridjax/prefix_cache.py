@@ -18,7 +18,13 @@ conversation moved past them (a chat keeps its newest turn, branch points surviv
 snapshot supersedes nothing, since the next turn may not re-send the response token for token.
 Thread-safe: the engine thread and the HTTP threads may call it concurrently.
 
-Persistence (`save` / `load`): one file per snapshot and one file of the pages they name (each
+Write-through persistence and a disk tier (the server's `--prefix-cache-dir`): with `disk` set
+(hybridjax.snapshot_disk) every new snapshot is handed to it as it is stored, supersession deletes
+on disk too, and a lookup first brings back from disk any longer prefix than memory holds (its
+report says `source: disk`).
+
+One-shot export (`save` / `load`, snapshot format 3; read by the disk tier to convert an old
+directory): one file per snapshot and one file of the pages they name (each
 page once), each with a SHA-256 checksum of its contents, written owner-only; a file that fails
 its checksum, belongs to another model or is not ours is skipped with a warning, and `save`
 only deletes files this store wrote or loaded. A snapshot names its pages by content (the
