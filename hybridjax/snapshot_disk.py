@@ -54,6 +54,7 @@ MAGIC = b"HJXMANIF"  # the manifest's first bytes; its first record says the for
 REC_MAGIC = b"HJXR"
 _REC_HEAD = struct.Struct("<4sI32s")  # magic, body length, SHA-256 of the body
 MAX_BACKLOG = 512  # snapshots waiting for the writer; past it new ones are not persisted (counted)
+PAGE_CHUNK = 8  # pages per device read or write: few programs to compile at start-up (1, 2, 4, 8 pages)
 COMPACT_AFTER = 64  # the writer rewrites the manifest once dead records outnumber live ones and this
 
 
@@ -252,7 +253,7 @@ class DiskTier:
         self._queue: queue.Queue = queue.Queue()
         self._dead_records = 0
         self._failed = False
-        self._sizes = buckets(getattr(device, "pages_per_row", 0))
+        self._sizes = buckets(min(getattr(device, "pages_per_row", 0), PAGE_CHUNK))
         pool = getattr(device, "pool", None)
         self.page_tokens = pool.page_size if pool is not None else 0  # pages of another size cannot load
         self._open()
@@ -347,9 +348,10 @@ class DiskTier:
             self.counters["not_persisted_backlog"] += 1
             return
         unknown = [p for p in dict.fromkeys(snap.pages) if p not in self._known]
-        if unknown:
-            read = _PageRead(self.device.read_pages_async(_pad(unknown, self._sizes)), len(unknown))
-            for i, p in enumerate(unknown):
+        for at in range(0, len(unknown), PAGE_CHUNK):
+            chunk = unknown[at: at + PAGE_CHUNK]
+            read = _PageRead(self.device.read_pages_async(_pad(chunk, self._sizes)), len(chunk))
+            for i, p in enumerate(chunk):
                 self._known[p] = (read, i)
         self._queue.put(_Put(key_name(self.model_id, snap.namespace, snap.tokens), snap.namespace, snap.kind,
                              snap.tokens, snap.cache, snap.logits, [self._known[p] for p in snap.pages]))
@@ -396,13 +398,17 @@ class DiskTier:
         return e, payload["cache"], payload["logits"], ks, vs
 
     def write_pages(self, ids: list[int], ks, vs) -> None:
-        """Pages `ids` of the device pool := ks, vs (padded to a compiled size by repetition)."""
-        if not ids:
-            return
-        padded = _pad(ids, self._sizes)
-        extra = len(padded) - len(ids)
-        pad = lambda a: np.concatenate([a, np.repeat(a[-1:], extra, axis=0)]) if extra else a  # noqa: E731
-        self.device.write_pages(padded, tuple(pad(k) for k in ks), tuple(pad(v) for v in vs))
+        """Pages `ids` of the device pool := ks, vs (in chunks padded to a compiled size by repetition)."""
+        for at in range(0, len(ids), PAGE_CHUNK):
+            chunk = list(ids[at: at + PAGE_CHUNK])
+            padded = _pad(chunk, self._sizes)
+            extra = len(padded) - len(chunk)
+
+            def part(a):
+                a = a[at: at + PAGE_CHUNK]
+                return np.concatenate([a, np.repeat(a[-1:], extra, axis=0)]) if extra else a
+
+            self.device.write_pages(padded, tuple(part(k) for k in ks), tuple(part(v) for v in vs))
 
     def warm(self) -> None:
         """Compile the padded page reads and writes now, before serving (a page read and written

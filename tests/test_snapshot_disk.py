@@ -80,7 +80,8 @@ def _every_disk_snapshot_answers_cold(eng: Engine) -> int:
     return len(entries)
 
 
-def test_every_snapshot_written_before_a_crash_is_restored_and_answers_cold(tmp_path):
+def test_every_snapshot_written_before_a_crash_is_restored_and_answers_cold(tmp_path, monkeypatch):
+    monkeypatch.setattr(snapshot_disk, "PAGE_CHUNK", 1)  # a snapshot's pages move in several chunks
     a = _serve_then_crash(tmp_path, PROMPTS[:3])
     written = a.store.disk.counters["snapshots_written"]
     assert written == a.store.counters["inserts"] > 0
