@@ -132,6 +132,13 @@ class SnapshotStore:
         self.disk = None
         self.disk_bytes = disk_bytes
 
+    def set_disk(self, disk):
+        """Attach a disk tier (None: detach); returns the one attached before. Under the lock, so
+        no insert or lookup sees it change half way."""
+        with self._lock:
+            old, self.disk = self.disk, disk
+            return old
+
     def use_pages(self, pool: PagePool, page_bytes: int) -> None:
         """Snapshots may name pages of `pool` (each `page_bytes` bytes over all layers): the store
         holds them through the pool's reference counts and counts each page's bytes once."""

@@ -570,7 +570,7 @@ def attach_disk(engine, directory: str | Path) -> DiskTier:
     tier = DiskTier(directory, store.model_id, engine, max_bytes=store.disk_bytes, policy=store.policy)
     try:
         tier.warm()
-        store.disk = tier
+        store.set_disk(tier)
         old = engine.load_snapshots(directory)
         if old:
             tier.flush()
@@ -578,7 +578,7 @@ def attach_disk(engine, directory: str | Path) -> DiskTier:
             log.info("prefix cache: converted %d snapshots of format 3 in %s to format %d", old, directory,
                      FORMAT_VERSION)
     except BaseException:
-        store.disk = None
+        store.set_disk(None)
         tier.close()
         raise
     return tier
@@ -586,7 +586,7 @@ def attach_disk(engine, directory: str | Path) -> DiskTier:
 
 def detach_disk(engine) -> DiskTier | None:
     """Make everything stored so far durable and stop writing (the engine is stopped)."""
-    tier, engine.store.disk = engine.store.disk, None
+    tier = engine.store.set_disk(None)
     if tier is not None:
         tier.close()
     return tier
