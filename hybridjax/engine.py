@@ -717,6 +717,16 @@ class Engine:
 
         return self.store.load(directory, write_pages=write) if self.store is not None else 0
 
+    def read_pages_async(self, ids):
+        """K, V of pool pages `ids` (tuples over attention pools of [n, S, Hkv, Dh]), as device arrays:
+        dispatched now, in order with the steps, so no later step changes what they hold (the disk
+        tier reads them on its own thread). Engine thread only, or with the loop stopped."""
+        return self.calls.read_pages(self._state, np.asarray(ids, np.int32))
+
+    def write_pages(self, ids, ks, vs) -> None:
+        """Pool pages `ids` := ks, vs (numpy). Engine thread only, or with the loop stopped."""
+        self._state = self.calls.write_pages(self._state, np.asarray(ids, np.int32), tuple(ks), tuple(vs))
+
     # --- the loop (engine thread) ----------------------------------------------------
     def _loop(self, warmup: bool = False, progress: bool = False) -> None:
         if warmup:

@@ -25,9 +25,14 @@ def snapshot_bytes(snap, page_bytes: int) -> int:
     return sum(int(x.size) * x.dtype.itemsize for x in snap.leaves()) + len(snap.pages) * page_bytes
 
 
+def gdsf(clock: float, hits: int, saved_tokens: int, nbytes: int) -> float:
+    """The GDSF priority (see the module docstring); the disk tier scores its entries with it too."""
+    return clock + (1 + hits) * saved_tokens / max(nbytes, 1)
+
+
 def priority(snap, clock: float, page_bytes: int) -> float:
     """GDSF priority of `snap` now (see the module docstring)."""
-    return clock + (1 + snap.hits) * len(snap.tokens) / max(snapshot_bytes(snap, page_bytes), 1)
+    return gdsf(clock, snap.hits, len(snap.tokens), snapshot_bytes(snap, page_bytes))
 
 
 def victim(entries: Mapping, policy: str):

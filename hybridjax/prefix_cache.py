@@ -18,7 +18,13 @@ conversation moved past them (a chat keeps its newest turn, branch points surviv
 snapshot supersedes nothing, since the next turn may not re-send the response token for token.
 Thread-safe: the engine thread and the HTTP threads may call it concurrently.
 
-Persistence (`save` / `load`): one file per snapshot and one file of the pages they name (each
+Write-through persistence and a disk tier (the server's `--prefix-cache-dir`): with `disk` set
+(hybridjax.snapshot_disk) every new snapshot is handed to it as it is stored, supersession deletes
+on disk too, and a lookup first brings back from disk any longer prefix than memory holds (its
+report says `source: disk`).
+
+One-shot export (`save` / `load`, snapshot format 3; read by the disk tier to convert an old
+directory): one file per snapshot and one file of the pages they name (each
 page once), each with a SHA-256 checksum of its contents, written owner-only; a file that fails
 its checksum, belongs to another model or is not ours is skipped with a warning, and `save`
 only deletes files this store wrote or loaded. A snapshot names its pages by content (the
@@ -105,7 +111,7 @@ def _leaf_bytes(x) -> int:
 
 class SnapshotStore:
     def __init__(self, model_id: str, *, max_bytes: int = 1 << 30, max_entries: int = 256, ttl_s: float = 3600.0,
-                 clock=time.monotonic, policy: str = "gdsf"):
+                 clock=time.monotonic, policy: str = "gdsf", disk_bytes: int = 4 << 30):
         if policy not in POLICIES:
             raise ValueError(f"eviction policy must be one of {POLICIES}, got {policy!r}")
         self.model_id = model_id
@@ -122,6 +128,16 @@ class SnapshotStore:
         self._page_bytes = 0
         self._files: set[str] = set()  # names of the files this store wrote or loaded
         self.counters: Counter = Counter()
+        # The disk tier (hybridjax.snapshot_disk.DiskTier), attached by `attach_disk`; its budget.
+        self.disk = None
+        self.disk_bytes = disk_bytes
+
+    def set_disk(self, disk):
+        """Attach a disk tier (None: detach); returns the one attached before. Under the lock, so
+        no insert or lookup sees it change half way."""
+        with self._lock:
+            old, self.disk = self.disk, disk
+            return old
 
     def use_pages(self, pool: PagePool, page_bytes: int) -> None:
         """Snapshots may name pages of `pool` (each `page_bytes` bytes over all layers): the store
@@ -153,6 +169,8 @@ class SnapshotStore:
             entry[0] += delta
             if entry[0] <= 0:
                 del self._buffers[key]
+                if self.disk is not None and isinstance(key, tuple):
+                    self.disk.released(key[1])  # the page id may hold other data from now on
         if snap.pages and self._pool is not None:
             (self._pool.retain if delta > 0 else self._pool.release)(snap.pages)
 
@@ -165,6 +183,7 @@ class SnapshotStore:
         """One pass over the store for a batch of requests (the engine's admission)."""
         with self._lock:
             self._expire()
+            from_disk = self._promote(requests, namespace) if self.disk is not None else set()
             by_ns: dict[str, list[Snapshot]] = {}
             for (ns, _), snap in self._entries.items():
                 by_ns.setdefault(ns, []).append(snap)
@@ -178,6 +197,8 @@ class SnapshotStore:
                     if n <= len(toks) and (best is None or n > len(best.tokens)) and toks[:n] == snap.tokens:
                         best = snap
                 report = self._explain(toks, ns, best, by_ns)
+                if best is not None and id(best) in from_disk:
+                    report = dataclasses.replace(report, source="disk")
                 if best is None:
                     self.counters["misses_empty_namespace" if ns not in by_ns else "misses_no_prefix"] += 1
                     hits.append(Hit(None, 0, len(toks), report))
@@ -193,6 +214,36 @@ class SnapshotStore:
                 hits.append(Hit(best, len(best.tokens), len(toks), report))
             return hits
 
+    def _promote(self, requests, namespace) -> set[int]:
+        """Bring back from the disk tier each request's longest prefix where it beats memory's
+        (before any hit is handed out, so that the pages its pool allocation evicts are no hit's).
+        Returns the ids of the snapshots brought back. Engine thread only (it writes device pages)."""
+        out = set()
+        for toks, ns in zip(requests, namespace):
+            toks = tuple(toks)
+            mem = max((len(s.tokens) for (n, t), s in self._entries.items()
+                       if n == ns and len(t) <= len(toks) and toks[: len(t)] == t), default=0)
+            got = self.disk.fetch(toks, ns, mem)
+            if got is None:
+                continue
+            entry, cache, logits, ks, vs = got
+            ids: list[int] = []
+            if entry.pages:
+                if self._pool is None or not self.evict_until(lambda: self._pool.free >= len(entry.pages), "pages"):
+                    continue
+                ids = self._pool.alloc(len(entry.pages))
+                self.disk.write_pages(ids, ks, vs)
+            try:
+                snap = self.insert(entry.tokens, jax.tree_util.tree_map(jax.numpy.asarray, cache),
+                                   jax.numpy.asarray(logits), namespace=ns, kind=entry.kind, supersede=False,
+                                   pages=ids, persist=False)
+            finally:
+                if ids:
+                    self._pool.release(ids)  # the store holds them now (or nobody, if it evicted it at once)
+            self.counters["disk_hits"] += 1
+            out.add(id(snap))
+        return out
+
     def _explain(self, toks: tuple, ns: str, best: Snapshot | None, by_ns: dict) -> CacheReport:
         """The cache report of one lookup (hybridjax.prefix_report): where its prefix came from,
         why it was not longer. Cost: one prefix comparison per stored snapshot of its tenant."""
@@ -204,9 +255,11 @@ class SnapshotStore:
 
     # --- insertion and eviction -------------------------------------------------------
     def insert(self, tokens: Sequence[int], cache, logits: jax.Array, *, namespace: str = "",
-               kind: str = "prompt", supersede: bool = True, pages: Sequence[int] = ()) -> Snapshot:
+               kind: str = "prompt", supersede: bool = True, pages: Sequence[int] = (),
+               persist: bool = True) -> Snapshot:
         """Store a snapshot (the store takes its own hold on `pages`); an entry with the same
-        tokens keeps its older value, equal by construction."""
+        tokens keeps its older value, equal by construction. With a disk tier, a new snapshot is
+        queued for writing unless `persist` is False (it came from disk)."""
         if kind not in KINDS:
             raise ValueError(f"snapshot kind must be one of {KINDS}, got {kind!r}")
         tokens = tuple(int(t) for t in tokens)
@@ -226,6 +279,8 @@ class SnapshotStore:
             self._evicted.discard(namespace, snap.array)
             self._ref(snap, +1)
             self.counters["inserts"] += 1
+            if self.disk is not None and persist:
+                self.disk.stored(snap)
             if kind == "prompt" and supersede:
                 self._drop_superseded(snap)
             self._enforce_bounds()
@@ -250,6 +305,8 @@ class SnapshotStore:
         snap = self._entries.pop(key)
         self._ref(snap, -1)
         self.counters[f"evictions_{reason}"] += 1
+        if reason == "superseded" and self.disk is not None:
+            self.disk.superseded(snap.namespace, snap.tokens)  # other evictions keep it on disk
         if reason not in ("superseded", "cleared"):  # gone though nothing covers it: a later miss says so
             self._evicted.add(snap.namespace, snap.array)
             self._age = max(self._age, snap.priority)
@@ -374,6 +431,12 @@ class SnapshotStore:
                 self._pool.release(list(pages.values()))  # the snapshots hold what they use; the rest is free again
         return loaded
 
+    def remove_loaded_files(self, directory: str | Path) -> None:
+        """Delete the files `load` read (ours: format 3), once their snapshots are kept elsewhere."""
+        for name in self._files:
+            (Path(directory) / name).unlink(missing_ok=True)
+        self._files = set()
+
     def _load_pages(self, path: Path, write_pages: Callable | None) -> dict[bytes, int]:
         """digest -> pool id of every page in the pages file, the digests computed from the data."""
         if not path.is_file():
@@ -464,25 +527,35 @@ class DirectoryLock:
             pass
 
 
-def _write_file(path: Path, payload: dict) -> None:
-    """MAGIC + sha256(body) + body, written to a temporary file (owner-only) then renamed."""
+def _write_file(path: Path, payload: dict, sync: bool = False) -> bytes:
+    """MAGIC + sha256(body) + body, written to a temporary file (owner-only), fsync'd if `sync`
+    (the disk tier's files must be durable before a manifest record names them), then renamed.
+    Returns the body's SHA-256."""
     body = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+    digest = hashlib.sha256(body).digest()
     tmp = path.with_name(path.name + TMP_SUFFIX)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(MAGIC + hashlib.sha256(body).digest() + body)
+            f.write(MAGIC + digest + body)
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
         tmp.replace(path)
+        return digest
     except BaseException:  # a full disk, say: leave no temporary file behind
         tmp.unlink(missing_ok=True)
         raise
 
 
-def _read_file(path: Path) -> dict:
+def _read_file(path: Path, digest: bytes | None = None) -> dict:
+    """The payload of a `_write_file` file, its checksum verified (and equal to `digest` if given)."""
     data = path.read_bytes()
     head = len(MAGIC) + 32
     if len(data) < head or not data.startswith(MAGIC):
         raise ValueError("not a hybridjax snapshot file")
+    if digest is not None and data[len(MAGIC):head] != digest:
+        raise ValueError("not the file its record names (checksum differs)")
     if hashlib.sha256(data[head:]).digest() != data[len(MAGIC):head]:
         raise ValueError("checksum mismatch")
     payload = _SafeUnpickler(io.BytesIO(data[head:])).load()
@@ -505,8 +578,12 @@ class _SafeUnpickler(pickle.Unpickler):
         ("numpy._core.numeric", "_frombuffer"), ("numpy.core.numeric", "_frombuffer"),
     }
 
+    # 16- and 8-bit floats (a bfloat16 model's pages and state) are ml_dtypes scalar types.
+    ML_DTYPES = {"bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float16"}
+
     def find_class(self, module, name):
-        if (module, name) in self.ALLOWED or module.startswith("numpy.dtypes"):
+        if ((module, name) in self.ALLOWED or module.startswith("numpy.dtypes")
+                or (module == "ml_dtypes" and name in self.ML_DTYPES)):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"forbidden class {module}.{name} in a snapshot file")
 

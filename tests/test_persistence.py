@@ -7,7 +7,7 @@ state a kill -9 at that moment leaves), and two servers of one model saving into
 After either, a fresh engine loads the directory and every snapshot it loaded is used for a
 request whose greedy answer must equal the cold path's (`engine_helpers.cold`) token for token;
 the snapshots whose pages are gone must be skipped with a warning. Around the directory, the
-server: a second server on it is refused in one line, a failed save is one log line, and the
+server: a second server on it is refused in one line, a failed write is one log line, and the
 temporary files of a save cut short are removed at start.
 
 Engines use the engine tests' configuration (`engine_helpers.ENGINE_KW`), so compiled programs
@@ -132,20 +132,25 @@ def test_a_second_server_on_the_directory_is_refused(tmp_path):
     RunningServer(slots=4, max_len=512, warmup=False, cache_dir=d).stop()  # released at shutdown
 
 
-def test_a_failed_save_is_one_log_line_and_leaves_no_temporary_file(tmp_path, caplog):
+def test_a_failed_write_is_one_log_line_and_leaves_no_temporary_file(tmp_path, caplog):
     d = tmp_path / "cache"
     d.mkdir()
-    (d / "cut-short.snapshot.tmp").write_bytes(b"half a file")  # what a killed save leaves
+    (d / "cut-short.snapshot.tmp").write_bytes(b"half a file")  # what a killed format-3 save leaves
     s = RunningServer(slots=4, max_len=512, warmup=False, cache_dir=str(d))
     try:
         assert not (d / "cut-short.snapshot.tmp").exists()  # removed at start
-        s.client.completions.create(model=MODEL, prompt="Save me if you can.", max_tokens=2)
-        (d / f"{s.store.model_id}{PAGES_SUFFIX}.tmp").mkdir()  # the pages file cannot be written
+        states = d / s.store.model_id / "states"
+        states.rmdir()
+        states.write_bytes(b"")  # the snapshot writer cannot write there any more
+        with caplog.at_level(logging.INFO):
+            for text in ("Save me if you can.", "And me, twice."):
+                s.client.completions.create(model=MODEL, prompt=text, max_tokens=2)
+            assert s.store.disk.flush(60)
     finally:
         with caplog.at_level(logging.INFO):
             s.stop()
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1, [r.getMessage() for r in errors]
-    assert errors[0].exc_info is None and f"could not save snapshots to {d}" in errors[0].getMessage()
-    assert "Is a directory" in errors[0].getMessage()
-    assert not [p for p in d.iterdir() if p.is_file() and p.name.endswith(".tmp")]
+    assert errors[0].exc_info is None and f"could not write snapshots to {d}" in errors[0].getMessage()
+    assert "Not a directory" in errors[0].getMessage()
+    assert not [p for p in d.rglob("*.tmp")]

@@ -19,7 +19,7 @@ def cmd_serve(args) -> int:
         host=args.host, port=args.port, slots=args.slots, max_len=args.max_len,
         max_queue=args.max_queue, prefix_cache=not args.no_prefix_cache, cache_mb=args.cache_mb,
         cache_entries=args.cache_entries, cache_eviction=args.cache_eviction, cache_ttl_s=args.cache_ttl, checkpoint_interval=args.checkpoint_interval,
-        cache_dir=args.prefix_cache_dir, api_key=args.api_key, page_size=args.page_size, kv_pages=args.kv_pages, kv_mb=args.kv_mb,
+        cache_dir=args.prefix_cache_dir, cache_disk_mb=args.prefix_cache_disk_mb or 4096.0, api_key=args.api_key, page_size=args.page_size, kv_pages=args.kv_pages, kv_mb=args.kv_mb,
         prefill_chunk=args.prefill_chunk, warmup=not args.no_warmup,
         api_keys=read_api_keys(args.api_key_file) if args.api_key_file else (),
         max_body_bytes=int(args.max_body_mb * 2**20), speculative_tokens=args.speculative_tokens,
@@ -27,6 +27,8 @@ def cmd_serve(args) -> int:
         body_timeout_s=args.body_timeout, keep_alive_s=args.keep_alive, max_connections=args.max_connections,
     )
 
+    if args.prefix_cache_disk_mb is not None and not args.prefix_cache_dir:
+        raise CLIError("--prefix-cache-disk-mb needs --prefix-cache-dir (the directory the disk tier lives in)")
     multi = (args.num_processes or 1) > 1
     if multi and not args.mesh:
         raise CLIError("serve across processes needs --mesh (a mesh over every process's devices)")
@@ -105,7 +107,11 @@ def add_serve(sub) -> None:
     p.add_argument("--cache-ttl", type=positive_float, default=3600.0, help="seconds a snapshot lives unused")
     p.add_argument("--checkpoint-interval", type=int_at_least(0), default=256,
                    help="snapshot every N prompt tokens of a long prefill (0 = off)")
-    p.add_argument("--prefix-cache-dir", help="persist snapshots here across restarts")
+    p.add_argument("--prefix-cache-dir",
+                   help="write snapshots here as they are stored (kept across restarts and kill -9; "
+                        "evicted ones stay on disk and come back on a hit)")
+    p.add_argument("--prefix-cache-disk-mb", type=positive_float, default=None,
+                   help="disk budget for --prefix-cache-dir in MB (default: 4096)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
     p.add_argument("--api-key-file", help="accept every key in this file (one per line); each key has its own cache")
     p.add_argument("--max-body-mb", type=positive_float, default=8.0, help="largest request body in MB (413 above)")

@@ -16,7 +16,8 @@ bounded (429 past it), so a burst of one kind cannot hold up the others. A body 
 within `body_timeout_s` (408, connection closed); slow or silent connections and the number of
 open connections are bounded in the HTTP protocol itself (hybridjax.server.connections).
 With a cache directory the app holds its lock (prefix_cache.DirectoryLock) from creation until
-it has saved at shutdown.
+shutdown, and the store writes each snapshot as it is stored and keeps evicted ones on disk
+(hybridjax.snapshot_disk).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from hybridjax.generate import sampling_params
 from hybridjax.pages import page_bytes
 from hybridjax.prefix_cache import DirectoryLock, SnapshotStore, history_boundary, model_identity
 from hybridjax.server import lanes
+from hybridjax.snapshot_disk import FormatRefused, attach_disk, detach_disk
 from hybridjax.server import openai_format as fmt
 from hybridjax.grammar import GrammarError
 from hybridjax.server import responses, structured
@@ -74,6 +76,7 @@ class ServerConfig:
     cache_ttl_s: float = 3600.0
     checkpoint_interval: int = 256
     cache_dir: str | None = None
+    cache_disk_mb: float = 4096.0  # the disk tier's budget under cache_dir (hybridjax.snapshot_disk)
     api_key: str | None = None
     api_keys: tuple[str, ...] = ()  # several keys (--api-key-file), each its own cache namespace
     page_size: int = 64
@@ -119,7 +122,8 @@ def build_engine(sc: ServerConfig, cfg, params, tokenizer, name: str, calls=None
         # A speculative engine's snapshots carry a hidden state more: their files are kept apart.
         ident = model_identity(name, cfg, params) + ("-mtp" if sc.speculative_tokens else "")
         store = SnapshotStore(ident, max_bytes=int(sc.cache_mb * 2**20),
-                              max_entries=sc.cache_entries, ttl_s=sc.cache_ttl_s, policy=sc.cache_eviction)
+                              max_entries=sc.cache_entries, ttl_s=sc.cache_ttl_s, policy=sc.cache_eviction,
+                              disk_bytes=int(sc.cache_disk_mb * 2**20))
     num_pages = sc.kv_pages
     if num_pages is None and sc.kv_mb is not None:
         num_pages = max(1, int(sc.kv_mb * 2**20 // page_bytes(cfg, sc.page_size, params.embed.dtype,
@@ -187,10 +191,13 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
         if lock is not None:
             lock.acquire()  # again, after an earlier shutdown released it
             try:
-                n = engine.load_snapshots(cache_dir)
-                log.info("prefix cache: loaded %d snapshots from %s", n, cache_dir)
+                tier = attach_disk(engine, cache_dir)
+                log.info("prefix cache: %d snapshots on disk in %s (%.1f MB)", len(tier.index.entries), tier.root,
+                         tier.index.nbytes / 2**20)
+            except FormatRefused as e:  # left untouched: serve from memory only
+                log.error("prefix cache: %s", e)
             except Exception as e:  # an unreadable directory: serve without its snapshots
-                log.warning("prefix cache: could not load snapshots from %s: %s", cache_dir, e)
+                log.warning("prefix cache: could not open %s: %s", cache_dir, e)
         engine.start(warmup=warmup, progress=warmup)
         try:
             yield
@@ -198,9 +205,9 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
             engine.stop(wait=False)  # a compile under way is not waited for (serve exits past it)
             if lock is not None:
                 try:
-                    if engine.served:  # an engine that never served has nothing new to save
-                        n = engine.save_snapshots(cache_dir)
-                        log.info("prefix cache: saved %d snapshots to %s", n, cache_dir)
+                    tier = detach_disk(engine)  # what is queued becomes durable
+                    if tier is not None:
+                        log.info("prefix cache: %d snapshots on disk in %s", len(tier.index.entries), tier.root)
                 except Exception as e:  # a read-only directory, a full disk: one line, no traceback
                     log.error("prefix cache: could not save snapshots to %s: %s", cache_dir, e)
                 finally:

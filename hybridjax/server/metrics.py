@@ -70,6 +70,28 @@ class _Collector:
             g = GaugeMetricFamily(f"hybridjax_prefix_cache_{name}", f"snapshot {name} held")
             g.add_metric([], value)
             yield g
+        if e.store.disk is not None:
+            yield from _disk(e.store.disk.stats())
+
+
+def _disk(stats: dict):
+    """The disk tier (hybridjax.snapshot_disk): what it holds, writes, serves and drops."""
+    for name, help_ in (("snapshots_written", "snapshots written to disk"),
+                        ("disk_hits", "snapshots read back from disk on a hit"),
+                        ("disk_evictions", "snapshots evicted from disk by its budget"),
+                        ("disk_read_errors", "disk snapshots dropped as unreadable (never served)")):
+        c = CounterMetricFamily(f"hybridjax_prefix_cache_{name}", help_)
+        c.add_metric([], stats.get(name, 0))
+        yield c
+    c = CounterMetricFamily("hybridjax_prefix_cache_not_persisted", "snapshots not written to disk",
+                            labels=["reason"])
+    for reason in ("backlog", "page_gone"):
+        c.add_metric([reason], stats.get(f"not_persisted_{reason}", 0))
+    yield c
+    for name, key in (("disk_bytes", "disk_bytes"), ("disk_entries", "disk_entries")):
+        g = GaugeMetricFamily(f"hybridjax_prefix_cache_{name}", f"snapshot {name.split('_')[1]} on disk")
+        g.add_metric([], stats[key])
+        yield g
 
 
 def _cache_reasons(e):
