@@ -168,3 +168,124 @@ def state_pass_reference(wk, wv, k, row_scale, chunk_decay, s0):
 
 
 state_pass_mosaic_jit = functools.partial(jax.jit, static_argnames="interpret")(state_pass_mosaic)
+
+
+# ---- stage 1 (intra-chunk WY solve) on Mosaic GPU ---------------------------------------------
+
+INVERSE_LEVELS = 6  # block sizes 2, 4, ..., 64 = C: log2(C) doublings of the inverted diagonal blocks
+
+
+def intra_vectors(g, beta, rk, c=CHUNK):
+    """The per-row scalars the intra-chunk kernel needs, [B, Hv, NC, 5, c] float32 (XLA: a cumsum
+    has no Mosaic GPU register op): b (in-chunk gate cumsum), beta * rk (A's row scale), rk (A's
+    column scale, 1 / ||k_t|| or 1), beta exp(b) rk (wk's row scale), beta (wv's row scale).
+    g, beta [B, T, Hv]; rk [B, Hv, T]."""
+    B, T, Hv = g.shape
+    per_chunk = lambda x: jnp.moveaxis(x.astype(jnp.float32), 2, 1).reshape(B, Hv, T // c, c)  # noqa: E731
+    b = jnp.cumsum(per_chunk(g), axis=-1)
+    bt = per_chunk(beta)
+    rk = rk.astype(jnp.float32).reshape(B, Hv, T // c, c)
+    return jnp.stack([b, bt * rk, rk, bt * jnp.exp(b) * rk, bt], axis=3)
+
+
+def intra_mosaic(k, v, vecs, *, r, interpret=False):
+    """Stage 1 of chunk.py (`_intra_kernel`) on Mosaic GPU, "fast" policy on bfloat16:
+    A = (beta rk)_i (k_i . k_j) rk_j exp(b_i - b_j) for j < i, W = (I + A)^{-1}, and
+    wk = W (beta exp(b) rk k), wv = W (beta v), each [C, C] x [C, K|V] one bfloat16 WGMMA as
+    in the Triton kernel. k [B, T, Hk, K], v [B, T, Hv, V] bfloat16 read in place (value head h
+    uses key head h // r); vecs from `intra_vectors`. Returns wk [B, Hv, T, K], wv [B, Hv, T, V]
+    bfloat16.
+
+    The inverse: the Triton kernel substitutes row by row, which needs a register row pick that
+    Mosaic GPU lacks. Here it is recursive block inversion, all [C, C] products: X_2 from A, then
+    X_2s = X_s - X_s E_s X_s for s = 2 .. 32 (ten products). It builds blocks of the true inverse
+    only (no intermediate growth; the product form prod (I + N^(2^k)) cancels catastrophically
+    when a chunk's keys are correlated). Each product runs on bfloat16 tensor cores as hi + lo
+    splits (x = hi + lo, both bfloat16; hi hi + hi lo + lo hi, float32 accumulation), ~2^-16
+    relative, near the Triton kernel's float32 substitution and TF32 merge; TF32 WGMMA would need
+    K-major operands on both sides."""
+    B, T, Hk, K = k.shape
+    Hv, V = v.shape[2], v.shape[3]
+    c, nc = CHUNK, T // CHUNK
+    if T % c or K % 64 or V % 64 or k.dtype != jnp.bfloat16 or v.dtype != jnp.bfloat16:
+        raise ValueError(f"mosaic intra kernel: T % {c} == 0, K, V % 64 == 0 and bfloat16 operands; "
+                         f"got T={T}, K={K}, V={V}, {k.dtype}, {v.dtype}")
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    row_l, col_l = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+
+    def body(k_ref, v_ref, vec_ref, wk_ref, wv_ref,
+             k_smem, v_smem, vec_smem, xh, xl, ph, plo, wk_smem, wv_smem, loaded):
+        b, h, n = (jax.lax.axis_index(a) for a in ("b", "h", "n"))
+        rows = pl.ds(n * c, c)
+        plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h // r], k_smem, loaded)
+        plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h], v_smem, loaded)
+        plgpu.copy_gmem_to_smem(vec_ref.at[b, h, n], vec_smem, loaded)
+        plgpu.barrier_wait(loaded)
+
+        def matmul(a, b_, n_cols):
+            def run(acc):
+                plgpu.wgmma(acc, a, b_)
+                return acc[...]
+            return pl.run_scoped(run, plgpu.ACC((c, n_cols), f32))
+
+        def matmul3(x_hi, x_lo, y_hi, y_lo):  # (x_hi + x_lo)(y_hi + y_lo) less the lo lo term
+            def run(acc):
+                plgpu.wgmma(acc, x_hi, y_hi)
+                plgpu.wgmma(acc, x_hi, y_lo)
+                plgpu.wgmma(acc, x_lo, y_hi)
+                return acc[...]
+            return pl.run_scoped(run, plgpu.ACC((c, c), f32))
+
+        def split_store(x, hi_ref, lo_ref):
+            hi = x.astype(bf16)
+            hi_ref[...] = hi
+            lo_ref[...] = (x - hi.astype(f32)).astype(bf16)
+
+        vec = lambda i, layout: plgpu.load(vec_smem.at[i], layout=layout)  # noqa: E731
+        bcast = lambda x, dim: jax.lax.broadcast_in_dim(x, (c, c), [dim])  # noqa: E731
+        row = plgpu.layout_cast(jax.lax.broadcasted_iota(jnp.int32, (c, c), 0), plgpu.Layout.WGMMA)
+        col = plgpu.layout_cast(jax.lax.broadcasted_iota(jnp.int32, (c, c), 1), plgpu.Layout.WGMMA)
+
+        kk = matmul(k_smem, k_smem.T, c)  # [C, K] x [K, C]
+        # exp of a masked exponent: b_i - b_j <= 0 below the diagonal (g <= 0); min() keeps the
+        # masked-off upper part finite whatever g's sign.
+        decay = jnp.exp(jnp.minimum(bcast(vec(0, row_l), 0) - bcast(vec(0, col_l), 1), 0.0))
+        a = bcast(vec(1, row_l), 0) * kk * bcast(vec(2, col_l), 1) * decay
+        a = jnp.where(row > col, a, 0.0)
+        # Recursive block inversion: X_s, the inverse of I + A's diagonal s x s blocks, doubles
+        # to X_2s = X_s - X_s E_s X_s (E_s: A's lower off-diagonal s-blocks inside each 2s-block).
+        x = jnp.where(row == col, 1.0, 0.0) - jnp.where((row >> 1) == (col >> 1), a, 0.0)  # X_2
+        for level in range(1, INVERSE_LEVELS):
+            e = jnp.where(((row >> (level + 1)) == (col >> (level + 1))) & ((row >> level) != (col >> level)), a, 0.0)
+            split_store(x, xh, xl)
+            split_store(e, ph, plo)
+            plgpu.commit_smem()
+            y = matmul3(xh, xl, ph, plo)  # X_s E_s
+            split_store(y, ph, plo)
+            plgpu.commit_smem()
+            x = x - matmul3(ph, plo, xh, xl)  # (X_s E_s) X_s
+
+        # "fast" policy: W and the scaled rows in bfloat16, one WGMMA each (the Triton kernel's dot).
+        xh[...] = x.astype(bf16)
+        ks = plgpu.load(k_smem, layout=plgpu.Layout.WGMMA).astype(f32)
+        k_smem[...] = (ks * jax.lax.broadcast_in_dim(vec(3, row_l), ks.shape, [0])).astype(bf16)
+        vs = plgpu.load(v_smem, layout=plgpu.Layout.WGMMA).astype(f32)
+        v_smem[...] = (vs * jax.lax.broadcast_in_dim(vec(4, row_l), vs.shape, [0])).astype(bf16)
+        plgpu.commit_smem()
+        wk_smem[...] = matmul(xh, k_smem, K).astype(bf16)
+        wv_smem[...] = matmul(xh, v_smem, V).astype(bf16)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(wk_smem, wk_ref.at[b, h, rows])
+        plgpu.copy_smem_to_gmem(wv_smem, wv_ref.at[b, h, rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    scratch = [
+        _swizzled((c, K), bf16), _swizzled((c, V), bf16), plgpu.SMEM((5, c), f32),
+        *(_swizzled((c, c), bf16) for _ in range(4)),
+        _swizzled((c, K), bf16), _swizzled((c, V), bf16),
+        plgpu.Barrier(num_arrivals=3),
+    ]
+    out_type = (jax.ShapeDtypeStruct((B, Hv, T, K), bf16), jax.ShapeDtypeStruct((B, Hv, T, V), bf16))
+    kw = dict(interpret=plgpu.InterpretGPUParams()) if interpret else {}
+    return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(B, Hv, nc),
+                        grid_names=("b", "h", "n"), compiler_params=plgpu.CompilerParams(), **kw)(k, v, vecs)
