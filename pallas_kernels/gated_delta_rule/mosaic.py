@@ -240,8 +240,7 @@ def intra_mosaic(k, v, vecs, *, r, interpret=False):
                 return acc[...]
             return pl.run_scoped(run, plgpu.ACC((c, c), f32))
 
-        # Layouts named on every [C, C] value: left to inference, the many selects make its
-        # search run out of fuel.
+        # Layouts named on the [C, C] values: left to layout inference, lowering took 3-4x longer.
         wg = lambda x: plgpu.layout_cast(x, plgpu.Layout.WGMMA)  # noqa: E731
 
         def split_store(x, hi_ref, lo_ref):
@@ -274,15 +273,19 @@ def intra_mosaic(k, v, vecs, *, r, interpret=False):
             plgpu.commit_smem()
             x = wg(x - matmul3(ph, plo, xh, xl))  # (X_s E_s) X_s
 
-        # "fast" policy: W and the scaled rows in bfloat16, one WGMMA each (the Triton kernel's dot).
+        # "fast" policy: W and the scaled rows in bfloat16, one WGMMA each (the Triton kernel's
+        # dot). The scaled rows go to the output buffers, which each WGMMA's result then
+        # replaces (it has waited for the WGMMA, so nothing reads them any more).
         xh[...] = x.astype(bf16)
         ks = plgpu.load(k_smem, layout=plgpu.Layout.WGMMA).astype(f32)
-        k_smem[...] = (ks * jax.lax.broadcast_in_dim(vec(4, row_l), ks.shape, [0])).astype(bf16)
+        wk_smem[...] = (ks * jax.lax.broadcast_in_dim(vec(4, row_l), ks.shape, [0])).astype(bf16)
         vs = plgpu.load(v_smem, layout=plgpu.Layout.WGMMA).astype(f32)
-        v_smem[...] = (vs * jax.lax.broadcast_in_dim(vec(5, row_l), vs.shape, [0])).astype(bf16)
+        wv_smem[...] = (vs * jax.lax.broadcast_in_dim(vec(5, row_l), vs.shape, [0])).astype(bf16)
         plgpu.commit_smem()
-        wk_smem[...] = matmul(xh, k_smem, K).astype(bf16)
-        wv_smem[...] = matmul(xh, v_smem, V).astype(bf16)
+        wk = matmul(xh, wk_smem, K)
+        wk_smem[...] = wk.astype(bf16)
+        wv = matmul(xh, wv_smem, V)
+        wv_smem[...] = wv.astype(bf16)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(wk_smem, wk_ref.at[b, h, rows])
         plgpu.copy_smem_to_gmem(wv_smem, wv_ref.at[b, h, rows])
