@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from hybridjax.pallas_kernels.gated_delta_rule.mosaic import AVAILABLE as MOSAIC
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 
@@ -29,13 +31,15 @@ def test_dry_run_checks_every_kernel_and_writes_the_report(tmp_path):
     kernels = {(r["kernel"], r["policy"]) for r in res["kernels"]}
     names = {"delta rule forward (chunked)", "delta rule decode (T=1)", "delta rule backward",
              "paged attention decode", "grouped matmul"}
-    assert kernels == {(n, p) for n in names for p in ("exact", "fast")}
+    mosaic = {("delta rule forward (mosaic)", "fast")} if MOSAIC else set()  # JAX 0.11+: bf16 "fast" only
+    assert kernels == {(n, p) for n in names for p in ("exact", "fast")} | mosaic
     assert all(r["ok"] and r["error"] < r["tolerance"] for r in res["kernels"]), res["kernels"]
     # bf16 "fast" is not float32 in disguise: the delta rule's error shows bfloat16 rounding.
     fast = {r["kernel"]: r["error"] for r in res["kernels"] if r["policy"] == "fast"}
     assert fast["delta rule forward (chunked)"] > 1e-4
     for row in res["timing"]:
         assert row["ms"]["pallas"] > 0 and row["ms"]["xla"] > 0, row
+        assert ("mosaic" in row["ms"]) == (MOSAIC and row["kernel"] == "delta rule prefill forward"), row
     assert "dry run: no fla" in res["notes"]
     m = res["model"]
     assert m["prefill_tok_s"] > 0 and m["ttft_cold_s"] > 0 and m["ttft_turn2_s"] > 0 and m["engine_decode_tok_s"] > 0

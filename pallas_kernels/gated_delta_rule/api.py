@@ -14,8 +14,9 @@ Implementations (`IMPLEMENTATIONS`):
   "xla"        chunked WY/UT form (xla.py), or the token scan for T <= RECURRENT_MAX_TOKENS;
   "pallas"     Pallas kernels: chunk.py, or recurrent.py for T <= RECURRENT_MAX_TOKENS;
                compiled Triton kernels on GPU, the Pallas interpreter on CPU;
-  "mosaic"     "pallas" with the chunked state pass on Pallas Mosaic GPU (mosaic.py; JAX 0.11+,
-               bfloat16 "fast" only; the GPU interpreter on CPU); not yet run on a GPU;
+  "mosaic"     "pallas" with the chunked forward's three kernels (intra-chunk WY solve, state
+               pass, output) on Pallas Mosaic GPU (mosaic.py; JAX 0.11+, bfloat16 "fast" only;
+               the GPU interpreter on CPU); decode stays Triton; not yet run on a GPU;
   None         "pallas" on GPU (CUDA / ROCm), "xla" elsewhere.
 "xla", "pallas", "mosaic" and None differentiate through `backward.gated_delta_rule_with_vjp`: inputs
 are the only residuals and the backward recomputes the chunk states.
@@ -89,8 +90,8 @@ def _pallas(q, k, v, g, beta, *, scale, initial_state, normalize=False, precisio
 
 def _mosaic(q, k, v, g, beta, *, scale, initial_state, normalize=False, precision="fast",
             interpret=None):
-    """"pallas" with the chunked state pass on Mosaic GPU (mosaic.py; JAX 0.11+, bfloat16, "fast"):
-    the Triton intra-chunk and output kernels around it; decode keeps the Triton kernel.
+    """"pallas" with the chunked forward on Mosaic GPU (mosaic.py; JAX 0.11+, bfloat16, "fast"):
+    its intra-chunk, state-pass and output kernels; decode keeps the Triton kernel.
     interpret=None is decided at trace time: compiled on a GPU host or inside
     `compat.cuda_target()`, interpreted otherwise."""
     if interpret is None:
@@ -98,7 +99,7 @@ def _mosaic(q, k, v, g, beta, *, scale, initial_state, normalize=False, precisio
     kw = dict(scale=scale, initial_state=initial_state, normalize=normalize, interpret=interpret)
     if q.shape[1] <= RECURRENT_MAX_TOKENS:
         return recurrent_gated_delta_rule_pallas(q, k, v, g, beta, **kw)
-    return chunk_gated_delta_rule_pallas(q, k, v, g, beta, precision=precision, state_kernel="mosaic", **kw)
+    return chunk_gated_delta_rule_pallas(q, k, v, g, beta, precision=precision, kernels="mosaic", **kw)
 
 
 def _check_mosaic_can_run(v, precision):
@@ -197,8 +198,8 @@ def chunk_gated_delta_rule(
     Args:
       scale: multiplies q after any normalisation; None means K ** -0.5.
       use_qk_l2norm_in_kernel: L2-normalise q and k (float32, eps 1e-6) first.
-      implementation: "reference", "xla", "pallas", "mosaic" ("pallas" with the state pass on
-        Mosaic GPU: JAX 0.11+, bfloat16, "fast"), or None ("pallas" on GPU, "xla" elsewhere,
+      implementation: "reference", "xla", "pallas", "mosaic" ("pallas" with the chunked forward
+        on Mosaic GPU: JAX 0.11+, bfloat16, "fast"), or None ("pallas" on GPU, "xla" elsewhere,
         decided by the lowering platform).
       precision: the Pallas kernels' policy, "fast" (tensor cores, input-dtype operands and
         intermediates) or "exact" (IEEE float32); "reference" and "xla" are float32 always.

@@ -233,20 +233,34 @@ def chunk_tables(T, c, batch, cu_seqlens=None):
     return chunks, seqs
 
 
-def _mosaic_state(wk, wv, g, k, s0, *, normalize, interpret):
-    """Stage 2 on Mosaic GPU (mosaic.py): the gate scalings (and 1 / ||k_t|| when normalising)
-    precomputed by XLA, the recurrence in the kernel."""
+def _per_value_head(x, r):
+    """[B, T, Hk] -> [B, Hv, T]: value head h reads key head h // r."""
+    return jnp.repeat(jnp.moveaxis(x, 2, 1), r, axis=1)
+
+
+def _mosaic_forward(q, k, v, g, beta, s0, *, scale, normalize, interpret):
+    """All three stages on Mosaic GPU (mosaic.py), bfloat16 "fast", T a multiple of C, no packing.
+    XLA computes only the per-row scalars (gate cumsums, norms: O(T) each, no Mosaic GPU cumsum)."""
     from . import mosaic
 
-    r = wk.shape[1] // k.shape[2]
+    B, T, Hk, _ = q.shape
+    r = v.shape[2] // Hk
+    q, k = q.astype(jnp.bfloat16), k.astype(jnp.bfloat16)
+    if normalize:
+        rq = _per_value_head(scale * inv_norm(sum_sq(q)), r)
+        rk = _per_value_head(inv_norm(sum_sq(k)), r)
+    else:
+        rq, rk = (jnp.full((B, v.shape[2], T), x, f32) for x in (scale, 1.0))
+    wk, wv = mosaic.intra_mosaic(k, v, mosaic.intra_vectors(g, beta, rk), r=r, interpret=interpret)
     row_scale, chunk_decay = mosaic.gate_scales(g)  # [B, Hv, T], [B, Hv, NC]
-    if normalize:  # [B, T, Hk] -> [B, Hv, T], value head h uses key head h // r
-        row_scale = row_scale * jnp.repeat(jnp.moveaxis(inv_norm(sum_sq(k)), 2, 1), r, axis=1)
-    return mosaic.state_pass_mosaic(wk, wv, k, row_scale, chunk_decay, s0, interpret=interpret)
+    u, h, final = mosaic.state_pass_mosaic(wk, wv, k, row_scale * rk, chunk_decay, s0, interpret=interpret)
+    o = mosaic.output_mosaic(q, k, u, h, mosaic.output_vectors(g, rq, rk), out_dtype=v.dtype,
+                             interpret=interpret)
+    return o, final
 
 
 def _forward(chunks, seqs, q, k, v, g, beta, s0, *, scale, chunk_size, pol, normalize,
-             interpret, state_kernel="triton"):
+             interpret, kernels="triton"):
     """q, k [B, T, Hk, K], v [B, T, Hv, V], g, beta [B, T, Hv], s0 [S, Hv, K, V] float32 (S
     sequences: B, or the packed ones when B = 1), with K, V powers of two >= 16, and the
     `chunk_tables`. Returns (o [B, T, Hv, V], final state [S, Hv, K, V])."""
@@ -265,6 +279,8 @@ def _forward(chunks, seqs, q, k, v, g, beta, s0, *, scale, chunk_size, pol, norm
     key = lambda i, h, *_: (row(i), 0, h // r, 0)  # noqa: E731  [T, K] of head h's key head
     per_head = lambda i, h, *_: (row(i), 0, h)  # noqa: E731  [T] of g or beta
     whole = lambda *_: (0, 0)  # noqa: E731  the small index tables
+    if kernels == "mosaic":  # the caller made T a multiple of C; no packing
+        return _mosaic_forward(q, k, v, g, beta, s0, scale=scale, normalize=normalize, interpret=interpret)
 
     wk, wv = call(
         functools.partial(_intra_kernel, **kw),
@@ -287,29 +303,26 @@ def _forward(chunks, seqs, q, k, v, g, beta, s0, *, scale, chunk_size, pol, norm
 
     bv = min(V, tune.state_bv)
     n_h = nc if packed else -(-T // c)  # chunk states per batch row
-    if state_kernel == "mosaic":  # same outputs; the caller made T a multiple of C, no packing
-        u, h, final = _mosaic_state(wk, wv, g, k, s0, normalize=normalize, interpret=interpret)
-    else:
-        u, h, final = call(
-            functools.partial(_state_kernel, bk=bk, **kw),
-            grid=(S, Hv, V // bv),
-            in_specs=[
-                pl.BlockSpec(seqs.shape, whole),
-                pl.BlockSpec((None, None, T, K), lambda i, h, j: (row(i), h, 0, 0)),
-                pl.BlockSpec((None, None, T, bv), lambda i, h, j: (row(i), h, 0, j)),
-                pl.BlockSpec((None, T, None), per_head),
-                pl.BlockSpec((None, T, None, K), key),
-                pl.BlockSpec((None, None, K, bv), lambda i, h, j: (i, h, 0, j)),
-            ],
-            out_specs=[
-                pl.BlockSpec((None, None, T, bv), lambda i, h, j: (row(i), h, 0, j)),
-                pl.BlockSpec((None, None, n_h, K, bv), lambda i, h, j: (row(i), h, 0, 0, j)),
-                pl.BlockSpec((None, None, K, bv), lambda i, h, j: (i, h, 0, j)),
-            ],
-            out_shape=[sds((B, Hv, T, V), io), sds((B, Hv, n_h, K, V), io), sds((S, Hv, K, V), f32)],
-            compiler_params=triton_params(tune.state_warps, tune.stages),
-            name="gdr_state",
-        )(seqs, wk, wv, g, k, s0)
+    u, h, final = call(
+        functools.partial(_state_kernel, bk=bk, **kw),
+        grid=(S, Hv, V // bv),
+        in_specs=[
+            pl.BlockSpec(seqs.shape, whole),
+            pl.BlockSpec((None, None, T, K), lambda i, h, j: (row(i), h, 0, 0)),
+            pl.BlockSpec((None, None, T, bv), lambda i, h, j: (row(i), h, 0, j)),
+            pl.BlockSpec((None, T, None), per_head),
+            pl.BlockSpec((None, T, None, K), key),
+            pl.BlockSpec((None, None, K, bv), lambda i, h, j: (i, h, 0, j)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, T, bv), lambda i, h, j: (row(i), h, 0, j)),
+            pl.BlockSpec((None, None, n_h, K, bv), lambda i, h, j: (row(i), h, 0, 0, j)),
+            pl.BlockSpec((None, None, K, bv), lambda i, h, j: (i, h, 0, j)),
+        ],
+        out_shape=[sds((B, Hv, T, V), io), sds((B, Hv, n_h, K, V), io), sds((S, Hv, K, V), f32)],
+        compiler_params=triton_params(tune.state_warps, tune.stages),
+        name="gdr_state",
+    )(seqs, wk, wv, g, k, s0)
 
     bv = min(V, tune.output_bv)
     o = call(
@@ -356,7 +369,7 @@ def pad_heads(q, k, v, initial_state, num_states):
 
 def chunk_gated_delta_rule_pallas(
     q, k, v, g, beta, *, scale, initial_state=None, chunk_size=CHUNK_SIZE, interpret=None,
-    normalize=False, precision="fast", cu_seqlens=None, state_kernel="triton",
+    normalize=False, precision="fast", cu_seqlens=None, kernels="triton",
 ):
     """Chunked gated delta rule in Pallas; same contract as the reference.
 
@@ -370,7 +383,7 @@ def chunk_gated_delta_rule_pallas(
       cu_seqlens: None, or int32 [N + 1] with B = 1: N sequences packed along T (sequence i is
         rows cu_seqlens[i]:cu_seqlens[i + 1], increasing, cu_seqlens[0] = 0, [-1] = T), each
         with its own state: initial_state and the final state are then [N, Hv, K, V].
-      state_kernel: "triton", or "mosaic" (JAX 0.11+: the state pass on Pallas Mosaic GPU,
+      kernels: "triton", or "mosaic" (JAX 0.11+: all three stages on Pallas Mosaic GPU,
         mosaic.py; "fast" policy in bfloat16, chunk_size 64, no cu_seqlens; T is zero-padded to
         whole chunks, which changes nothing: g = 0 and k = 0 there).
 
@@ -393,14 +406,14 @@ def chunk_gated_delta_rule_pallas(
              else initial_state.astype(f32))
         return jnp.zeros((B, 0, Hv, V), v.dtype), s
     q, k, v, s0 = pad_heads(q, k, v, initial_state, num_states)
-    if state_kernel == "mosaic":
+    if kernels == "mosaic":
         if cu_seqlens is not None or chunk_size != 64 or pol.exact or v.dtype != jnp.bfloat16:
-            raise ValueError("state_kernel='mosaic' needs bfloat16 inputs, precision 'fast', "
+            raise ValueError("kernels='mosaic' needs bfloat16 inputs, precision 'fast', "
                              "chunk_size 64 and no cu_seqlens")
         t_pad = -(-T // chunk_size) * chunk_size
         q, k, v, g, beta = (_pad_to(x, 1, t_pad) for x in (q, k, v, g, beta))
     chunks, seqs = chunk_tables(q.shape[1], chunk_size, B, cu_seqlens)
     fwd = functools.partial(_forward, scale=scale, chunk_size=chunk_size, pol=pol,
-                            normalize=normalize, state_kernel=state_kernel)
+                            normalize=normalize, kernels=kernels)
     o, final = run_on_platform(fwd, interpret, chunks, seqs, q, k, v, g, beta, s0)
     return o[:, :T, :, :V], final[:, :, :K, :V]
