@@ -761,6 +761,11 @@ class Engine:
             self.warmup(progress)
             log.info("start-up: ready in %.1f s (compiled %d programs)", time.perf_counter() - t0, len(self.shapes()))
             return
+        covering = [s for s in self.covering_shapes() if not self.programs.has(s)]
+        kept = sum(map(self.programs.on_disk, covering))
+        log.log(logging.INFO if progress else logging.DEBUG, "start-up: %d programs serve every request: %d kept on "
+                "disk, %d to compile on %d threads; the other %d compile once serving", len(covering), kept,
+                len(covering) - kept, programs.compile_threads(), len(self.background_shapes()))
         self.warmup(progress, self.covering_shapes())
         if self._cancel.is_set():
             return

@@ -156,6 +156,11 @@ class ProgramSet:
                 self._changed.notify_all()
             return how
 
+    def on_disk(self, shape: tuple) -> bool:
+        """A kept executable exists for `shape` (it may still turn out unusable)."""
+        path = self._path(shape)
+        return path is not None and path.is_file()
+
     def wait_for(self, shape: tuple, timeout: float | None = None) -> bool:
         with self._changed:
             return self._changed.wait_for(lambda: shape in self._compiled, timeout)
