@@ -764,7 +764,7 @@ class Engine:
         covering = [s for s in self.covering_shapes() if not self.programs.has(s)]
         kept = sum(map(self.programs.on_disk, covering))
         log.log(logging.INFO if progress else logging.DEBUG, "start-up: %d programs serve every request: %d kept on "
-                "disk, %d to compile on %d threads; the other %d compile once serving", len(covering), kept,
+                "disk, %d to compile on %d threads; the other %d follow once serving", len(covering), kept,
                 len(covering) - kept, programs.compile_threads(), len(self.background_shapes()))
         self.warmup(progress, self.covering_shapes())
         if self._cancel.is_set():
