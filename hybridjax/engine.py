@@ -771,6 +771,7 @@ class Engine:
             return
         self._compiled_only = all(self.programs.has(s) for s in self.covering_shapes())  # (a replaced warm-up: no)
         rest = [s for s in self.background_shapes() if not self.programs.has(s)]
+        rest.sort(key=lambda s: not self.programs.on_disk(s))  # a restart loads all it kept (quick) before compiling
         self.startup.update(ready_s=time.perf_counter() - t0, behind=len(rest))
         log.info("start-up: ready in %.1f s: %s%s", self.startup["ready_s"], self.startup["summary"],
                  f"; {len(rest)} more compile behind" if rest else "")

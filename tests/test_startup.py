@@ -132,7 +132,8 @@ def test_a_restart_loads_executables_without_tracing_or_compiling(exe_dir):
     refs, long_ref = _references()
     engine_programs.clear_registry()
     eng = _engine(exe_dir)
-    eng._compile_behind = lambda shapes: None
+    behind = []
+    eng._compile_behind = behind.extend
     eng.programs.ensure(("score", 1, 32))  # (kept by the first test's engine)
     before = len(_events)
     eng.start(warmup=True)
@@ -140,6 +141,9 @@ def test_a_restart_loads_executables_without_tracing_or_compiling(exe_dir):
         assert eng.ready.wait(600)
         assert _events[before:] == []  # no tracing, no compiling
         assert eng.startup["loaded"] == 8 and eng.startup["compiled"] == 0
+        # what the first run kept loads behind before anything compiles: first in line
+        kept = [s for s in behind if eng.programs.on_disk(s)]
+        assert {("decode", 1, 1), ("prefill", 1, 32)} <= set(kept) and behind[:len(kept)] == kept
         _serve_a_mix(eng, refs, long_ref)
         assert compiles_outside_the_compile_thread(before) == [] and eng.calls.live_compiles == 0
     finally:
