@@ -1,18 +1,27 @@
 """Start-up as a user meets it: `hybridjax serve` in a subprocess, cold and warm, driven over HTTP.
 
-    python benchmarks/bench_startup.py [--model DIR] [--max-len N] [--code CHECKOUT --ready-only] [--json OUT]
+    python benchmarks/bench_startup.py [--models default,qwen3.5] [--max-len N] [--code CHECKOUT --ready-only]
+                                       [--json OUT]
 
-For the model (default: the embedded default model), two launches on one fresh compile-cache
-directory: cold (empty: every program compiles) and warm (a restart: executables load from
-`<cache>/executables`). Each prints:
-  ready         launch to /health 200 (the covering programs exist; the rest compile behind)
-  first answer  launch to the end of a first chat completion (8 tokens) sent at ready
+For each model, two launches on one fresh compile-cache directory: cold (empty: the covering
+programs compile before ready) and warm (a restart: executables load from `<cache>/executables`).
+Models: `default`, the embedded default model (8.9M parameters); `qwen3.5`, the random
+Qwen3.5-shaped model of bench_multiturn.py (0.23B parameters, float32, 12 layers, vocab 32000),
+built in a temporary directory. Each launch prints:
+  ready         launch to /health 200 (the covering programs exist; the rest compile behind),
+                and the CPU seconds the server used until then (all its threads: on a busy
+                machine the wall time stretches, the CPU time much less)
+  first answer  launch to the end of a first request sent at ready (a chat completion of 8
+                tokens; a completion of 8 tokens for a model without a chat template)
 and, for each kind of request, its first time against a later one (the buckets it would use may
-still be compiling behind: it runs on a compiled larger or smaller one): short chat, long prompt
-(~600 tokens), 4 concurrent requests, exact repeat, echo + logprobs. Every response is checked
-against the cold run's (greedy: same tokens). The load average is printed beside the figures:
-on a shared machine other jobs slow compiling most. `--code` runs another checkout's server (an
-earlier commit, for a before/after on the same machine); `--ready-only`: launch figures only.
+still be compiling behind: it runs on a compiled larger or smaller one): short request, long
+prompt (600 tokens), 4 concurrent requests, exact repeat, echo + logprobs; the ratio first /
+later (the issue's target: within 1.3x). Completion prompts are token ids, so any model's
+tokenizer serves them. Every warm response is checked against the cold run's (greedy: same
+tokens). The server's own start-up lines (what it compiled, on how many threads, how long each
+took) are printed for each launch. The load average is printed beside the figures: on a shared
+machine other jobs slow compiling most. `--code` runs another checkout's server (an earlier
+commit, for a before/after on the same machine); `--ready-only`: launch figures only.
 """
 
 from __future__ import annotations
@@ -31,8 +40,10 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 
 def load() -> str:
@@ -45,10 +56,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds a process has used so far, all its threads (user + system): unlike wall time,
+    about the same on a busy machine as on a quiet one."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class Served:
     """One `hybridjax serve` launch; `ready`: seconds from launch to /health 200."""
 
-    def __init__(self, model: str | None, cache: Path, max_len: int, log: Path, code: Path = ROOT):
+    def __init__(self, model: str | None, cache: Path, max_len: int, log: Path, code: Path = ROOT, chat: bool = True):
+        self.chat = chat  # the model has a chat template
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "hybridjax.cli", "serve", "--port", str(self.port), "--compile-cache-dir",
@@ -65,6 +84,7 @@ class Served:
                     break
             time.sleep(0.1)
         self.ready = time.perf_counter() - self.t0
+        self.cpu = cpu_seconds(self.proc.pid)
         self.model = self.client.get(self.url + "/v1/models").json()["data"][0]["id"]
 
     def post(self, path: str, body: dict) -> dict:
@@ -81,42 +101,50 @@ class Served:
             self.proc.kill()
 
 
+def ids(seed: int, n: int) -> list[int]:
+    """n token ids, the same for every model (below the smallest vocabulary, past special ids)."""
+    return np.random.default_rng(seed).integers(16, 4000, n).tolist()
+
+
 def kinds() -> dict:
-    """name -> a function (server, i) -> response text(s), i = 0 first, 1 later (other text)."""
-    def chat(s, i):
-        return s.post("/v1/chat/completions", {"messages": [{"role": "user", "content": f"Hello number {i}!"}],
-                                               "max_tokens": 8})["choices"][0]["message"]["content"]
+    """name -> a function (server, i) -> response text(s), i = 0 first, 1 later (other tokens)."""
+    def short(s, i):
+        if s.chat:
+            return s.post("/v1/chat/completions", {"messages": [{"role": "user", "content": f"Hello number {i}!"}],
+                                                   "max_tokens": 8})["choices"][0]["message"]["content"]
+        return s.post("/v1/completions", {"prompt": ids(100 + i, 12), "max_tokens": 8})["choices"][0]["text"]
 
     def long(s, i):
-        text = " ".join(f"word{j % 50}" for j in range(300 + i))  # ~600 tokens
-        return s.post("/v1/completions", {"prompt": text, "max_tokens": 4})["choices"][0]["text"]
+        return s.post("/v1/completions", {"prompt": ids(200 + i, 600), "max_tokens": 4})["choices"][0]["text"]
 
     def batch(s, i):
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            return list(pool.map(lambda k: s.post("/v1/completions", {"prompt": f"Batch {i} row {k}: tell me",
+            return list(pool.map(lambda k: s.post("/v1/completions", {"prompt": ids(300 + 10 * i + k, 20),
                                                                       "max_tokens": 8})["choices"][0]["text"], range(4)))
 
     def repeat(s, i):
-        body = {"prompt": f"The same prompt, again {i}", "max_tokens": 4}
+        body = {"prompt": ids(400 + i, 30), "max_tokens": 4}
         s.post("/v1/completions", body)
         t = time.perf_counter()
         out = s.post("/v1/completions", body)["choices"][0]["text"]
         return out, time.perf_counter() - t  # the repeat's own time
 
     def echo(s, i):
-        r = s.post("/v1/completions", {"prompt": f"Score this prompt {i}", "max_tokens": 1, "echo": True, "logprobs": 2})
-        return r["choices"][0]["logprobs"]["token_logprobs"]
+        r = s.post("/v1/completions", {"prompt": ids(500 + i, 24), "max_tokens": 1, "echo": True, "logprobs": 2})
+        return r["choices"][0]["logprobs"]
 
-    return {"short chat": chat, "long prompt (~600 tokens)": long, "4 concurrent": batch, "exact repeat": repeat,
+    return {"short request": short, "long prompt (600 tokens)": long, "4 concurrent": batch, "exact repeat": repeat,
             "echo + logprobs": echo}
 
 
-def run(model: str | None, cache: Path, max_len: int, name: str, logs: Path, code: Path, ready_only: bool) -> dict:
-    s = Served(model, cache, max_len, logs / f"{name}.log", code)
+def run(model: str | None, cache: Path, max_len: int, name: str, logs: Path, code: Path, ready_only: bool,
+        chat: bool) -> dict:
+    log = logs / f"{name}.log"
+    s = Served(model, cache, max_len, log, code, chat)
     try:
-        chat = kinds()["short chat"]
-        chat(s, 0)
-        out = {"ready": s.ready, "first answer": time.perf_counter() - s.t0, "load": load(), "kinds": {}}
+        kinds()["short request"](s, 0)
+        out = {"ready": s.ready, "cpu to ready": s.cpu, "first answer": time.perf_counter() - s.t0, "load": load(),
+               "kinds": {}}
         for kind, fn in ({} if ready_only else kinds()).items():
             times, answers = [], []
             for i in (0, 1):
@@ -131,37 +159,78 @@ def run(model: str | None, cache: Path, max_len: int, name: str, logs: Path, cod
         return out
     finally:
         s.stop()
+        out_lines = [line for line in log.read_text().splitlines(True) if "start-up" in line or "loaded " in line]
+        print(f"--- {name}: the server's start-up lines\n" + "".join(out_lines), flush=True)
+
+
+def same(a, b) -> bool:
+    """Equal answers: the same tokens and text; log-probabilities within 1e-3 (a generated
+    token's may come from another program, e.g. a wider prefill chunk compiled since, whose
+    float32 sums round differently)."""
+    if isinstance(a, float) or isinstance(b, float):
+        return a is not None and b is not None and abs(a - b) <= 1e-3
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def model_dirs(names: list[str], tmp: Path) -> dict:
+    """name -> (model directory or None for the embedded default, has a chat template)."""
+    out = {}
+    for name in names:
+        if name == "default":
+            out[name] = (None, True)
+        elif name == "qwen3.5":
+            from benchmarks.bench_multiturn import MODEL, build_model_dir
+
+            out[name] = (str(build_model_dir(tmp / "qwen3.5", MODEL["num_hidden_layers"])), False)
+        else:  # a model directory of one's own
+            out[name] = (name, (Path(name) / "tokenizer_config.json").exists())
+    return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", help="model directory (default: the embedded default model)")
+    ap.add_argument("--models", default="default,qwen3.5",
+                    help="comma-separated: default (the embedded model), qwen3.5 (the 0.23B random Qwen3.5-shaped "
+                         "model), or model directories")
     ap.add_argument("--max-len", type=int, default=4096)
     ap.add_argument("--code", type=Path, default=ROOT, help="the checkout whose server runs (default: this one)")
     ap.add_argument("--ready-only", action="store_true", help="launch figures only, no request kinds")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     print(f"load average at start: {load()}", flush=True)
+    res: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
-        cache, logs = Path(tmp) / "cache", Path(tmp)
-        res = {"cold": run(args.model, cache, args.max_len, "cold", logs, args.code, args.ready_only)}
-        print(f"cold: ready {res['cold']['ready']:.1f} s", flush=True)
-        res["warm"] = run(args.model, cache, args.max_len, "warm", logs, args.code, args.ready_only)
-        print(f"warm: ready {res['warm']['ready']:.1f} s", flush=True)
-        print("".join(line for line in (logs / "warm.log").read_text().splitlines(True) if "start-up" in line or "serving" in line))
-    for kind in res["cold"]["kinds"]:
-        a, b = res["cold"]["kinds"][kind]["answers"], res["warm"]["kinds"][kind]["answers"]
-        assert a == b, f"{kind}: the warm server answered otherwise: {a} vs {b}"
-    print(f"\ncode: {args.code}; model: {args.model or 'the embedded default'}, --max-len {args.max_len}; "
-          f"load average at end: {load()}")
-    print("\n| launch | ready (/health 200) | first answer | load average |\n|---|---:|---:|---|")
-    for k in ("cold", "warm"):
-        r = res[k]
-        print(f"| {k} | {r['ready']:.1f} s | {r['first answer']:.1f} s | {r['load']} |")
-    print("\n| request kind | cold: first | cold: later | warm: first | warm: later |\n|---|---:|---:|---:|---:|")
-    for kind in res["cold"]["kinds"]:
-        c, w = res["cold"]["kinds"][kind], res["warm"]["kinds"][kind]
-        print(f"| {kind} | {c['first']:.2f} s | {c['later']:.2f} s | {w['first']:.2f} s | {w['later']:.2f} s |")
+        for model, (path, chat) in model_dirs(args.models.split(","), Path(tmp)).items():
+            cache, logs = Path(tmp) / f"cache-{len(res)}", Path(tmp)
+            r = res[model] = {}
+            for launch in ("cold", "warm"):
+                r[launch] = run(path, cache, args.max_len, f"{model}-{launch}", logs, args.code, args.ready_only, chat)
+                print(f"{model} {launch}: ready {r[launch]['ready']:.1f} s, first answer {r[launch]['first answer']:.1f} s"
+                      f" (load {r[launch]['load']})", flush=True)
+            for kind in r["cold"]["kinds"]:
+                a, b = r["cold"]["kinds"][kind]["answers"], r["warm"]["kinds"][kind]["answers"]
+                assert same(a, b), f"{model}, {kind}: the warm server answered otherwise: {a} vs {b}"
+            if args.json:  # each model's figures as soon as they exist
+                args.json.write_text(json.dumps(res, indent=2))
+    print(f"\ncode: {args.code}; --max-len {args.max_len}; load average at end: {load()}")
+    print("\n| model | launch | ready (/health 200) | CPU seconds to ready | first answer | load average |"
+          "\n|---|---|---:|---:|---:|---|")
+    for model, r in res.items():
+        for k in ("cold", "warm"):
+            print(f"| {model} | {k} | {r[k]['ready']:.1f} s | {r[k]['cpu to ready']:.1f} s | {r[k]['first answer']:.1f} s "
+                  f"| {r[k]['load']} |")
+    if not args.ready_only:
+        print("\n| model | request kind | cold: first | cold: later | ratio | warm: first | warm: later | ratio |"
+              "\n|---|---|---:|---:|---:|---:|---:|---:|")
+        for model, r in res.items():
+            for kind in r["cold"]["kinds"]:
+                c, w = r["cold"]["kinds"][kind], r["warm"]["kinds"][kind]
+                print(f"| {model} | {kind} | {c['first']:.2f} s | {c['later']:.2f} s | {c['first'] / c['later']:.2f}x "
+                      f"| {w['first']:.2f} s | {w['later']:.2f} s | {w['first'] / w['later']:.2f}x |")
     if args.json:
         args.json.write_text(json.dumps(res, indent=2))
     return 0

@@ -58,6 +58,14 @@ def executable_dir() -> Path | None:
 
 
 _listening = False
+_compiled = {"programs": 0, "seconds": 0.0}  # this process's programs the cache did not hold; compile seconds
+
+
+def compiled_so_far() -> tuple[int, float]:
+    """(programs the cache did not hold, seconds of compiling) in this process since the cache
+    was turned on with `announce`: what a first run paid and a later one does not (the seconds
+    also count reading the programs the cache held, a small part)."""
+    return _compiled["programs"], _compiled["seconds"] if _compiled["programs"] else 0.0
 
 
 def _announce_first_compile(path: Path) -> None:
@@ -67,10 +75,17 @@ def _announce_first_compile(path: Path) -> None:
     import jax
 
     def on_event(event: str, **kw) -> None:
+        if event == "/jax/compilation_cache/cache_misses":
+            _compiled["programs"] += 1
         if event == "/jax/compilation_cache/cache_misses" and not _announced.is_set():
             _announced.set()
             print(f"hybridjax: compiling the model's programs (a first run takes a while; later runs reuse "
                   f"them from {path})", file=sys.stderr, flush=True)
 
+    def on_duration(event: str, seconds: float, **kw) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            _compiled["seconds"] += seconds
+
     jax.monitoring.register_event_listener(on_event)
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
     _listening = True

@@ -585,25 +585,21 @@ class Engine:
             return self._prepare(list(shapes or self.shapes()), progress)
 
     def _prepare(self, shapes: list[tuple], progress: bool) -> float:
-        """Have `shapes` compiled or loaded, one log line each (at INFO with `progress`), with
-        the time left estimated from the compiles so far; stops early when the engine stops."""
-        t0 = time.perf_counter()
-        done = {"loaded": 0, "compiled": 0, "present": 0}
-        spent = 0.0  # seconds compiling (loading is quick)
-        for i, shape in enumerate(shapes, 1):
-            if self._cancel.is_set():
-                break
-            t = time.perf_counter()
-            how = self.programs.ensure(shape)
-            done[how] += 1
-            spent += (time.perf_counter() - t) * (how == "compiled")
-            left = len(shapes) - i
-            eta = f", about {spent / done['compiled'] * left:.0f} s left" if done["compiled"] and left else ""
+        """Have `shapes` compiled or loaded, several side by side (`engine_programs.StartUp`),
+        one log line each (at INFO with `progress`: n/N, seconds, time left); stops early when
+        the engine stops."""
+        run = programs.StartUp(self.programs, shapes, programs.compile_threads())
+
+        def report(shape, how, seconds):
+            left = run.seconds_left() if run.done < run.total else None
+            eta = f", about {left:.0f} s left" if left else ""
             level = logging.INFO if progress and how == "compiled" else logging.DEBUG  # a load is quick: no news
-            log.log(level, "start-up: %d/%d %s %s in %.1f s%s", i, len(shapes),
-                    programs.shape_name(shape), how, time.perf_counter() - t, eta)
-        seconds = time.perf_counter() - t0
-        self.startup = dict(seconds=seconds, programs=len(shapes), **done)
+            log.log(level, "start-up: %d/%d %s %s in %.1f s%s", run.done, run.total, programs.shape_name(shape), how,
+                    seconds, eta)
+
+        run.run(self._cancel, report)
+        seconds = time.perf_counter() - run.t0
+        self.startup = dict(seconds=seconds, programs=len(shapes), summary=run.summary(), **run.outcomes)
         return seconds
 
     def _compile_behind(self, shapes: list[tuple]) -> None:
@@ -775,18 +771,20 @@ class Engine:
             self.warmup(progress)
             log.info("start-up: ready in %.1f s (compiled %d programs)", time.perf_counter() - t0, len(self.shapes()))
             return
-        counters = self.programs.counters
-        before = (counters["loaded"], counters["compiled"], counters["compile_seconds"])
+        covering = [s for s in self.covering_shapes() if not self.programs.has(s)]
+        kept = sum(map(self.programs.on_disk, covering))
+        log.log(logging.INFO if progress else logging.DEBUG, "start-up: %d programs serve every request: %d kept on "
+                "disk, %d to compile on %d threads; the other %d follow once serving", len(covering), kept,
+                len(covering) - kept, programs.compile_threads(), len(self.background_shapes()))
         self.warmup(progress, self.covering_shapes())
         if self._cancel.is_set():
             return
         self._compiled_only = all(self.programs.has(s) for s in self.covering_shapes())  # (a replaced warm-up: no)
         rest = [s for s in self.background_shapes() if not self.programs.has(s)]
-        loaded, compiled, seconds = (now - then for now, then in zip(
-            (counters["loaded"], counters["compiled"], counters["compile_seconds"]), before))
-        self.startup.update(ready_s=time.perf_counter() - t0, loaded=loaded, compiled=compiled, behind=len(rest))
-        log.info("start-up: ready in %.1f s: %d programs loaded from disk, %d compiled (%.1f s)%s",
-                 self.startup["ready_s"], loaded, compiled, seconds, f"; {len(rest)} more compile behind" if rest else "")
+        rest.sort(key=lambda s: not self.programs.on_disk(s))  # a restart loads all it kept (quick) before compiling
+        self.startup.update(ready_s=time.perf_counter() - t0, behind=len(rest))
+        log.info("start-up: ready in %.1f s: %s%s", self.startup["ready_s"], self.startup["summary"],
+                 f"; {len(rest)} more compile behind" if rest else "")
         self._compile_behind(rest)
 
     def _fail_all(self, error: Exception) -> None:

@@ -118,7 +118,8 @@ class ProgramSet:
         self.key, self.lowerers = key, lowerers
         self.directory = Path(directory) / key if directory else None
         self._compiled: dict[tuple, object] = {}
-        self._lock = threading.Lock()  # one compile at a time per set
+        self._lock = threading.Lock()  # guards the counters and the per-shape locks
+        self._shape_locks: dict[tuple, threading.Lock] = {}  # one compile per shape; shapes side by side
         self._changed = threading.Condition()
         self.counters = {"loaded": 0, "compiled": 0, "load_failed": 0, "load_seconds": 0.0, "compile_seconds": 0.0}
         self.seconds: dict[tuple, float] = {}  # shape -> what compiling it took (this process)
@@ -130,8 +131,12 @@ class ProgramSet:
         return shape in self._compiled
 
     def ensure(self, shape: tuple) -> str:
-        """Make `shape`'s executable exist: 'present', 'loaded' (from disk) or 'compiled'."""
+        """Make `shape`'s executable exist: 'present', 'loaded' (from disk) or 'compiled'.
+        Threads may ensure different shapes at once (XLA compiles each on one core); a second
+        thread asking for the same shape waits for the first and finds it 'present'."""
         with self._lock:
+            shape_lock = self._shape_locks.setdefault(shape, threading.Lock())
+        with shape_lock:
             if shape in self._compiled:
                 return "present"
             t0 = time.perf_counter()
@@ -141,14 +146,20 @@ class ProgramSet:
                 exe = self.lowerers[shape[0]](shape[1], shape[2]).compile()
                 self._save(shape, exe)
             seconds = time.perf_counter() - t0
-            self.counters[how] += 1
-            self.counters["load_seconds" if how == "loaded" else "compile_seconds"] += seconds
-            if how == "compiled":
-                self.seconds[shape] = seconds
+            with self._lock:
+                self.counters[how] += 1
+                self.counters["load_seconds" if how == "loaded" else "compile_seconds"] += seconds
+                if how == "compiled":
+                    self.seconds[shape] = seconds
             with self._changed:
                 self._compiled[shape] = exe
                 self._changed.notify_all()
             return how
+
+    def on_disk(self, shape: tuple) -> bool:
+        """A kept executable exists for `shape` (it may still turn out unusable)."""
+        path = self._path(shape)
+        return path is not None and path.is_file()
 
     def wait_for(self, shape: tuple, timeout: float | None = None) -> bool:
         with self._changed:
@@ -174,7 +185,8 @@ class ProgramSet:
             payload, in_tree, out_tree = pickle.loads(body)
             return deserialize_and_load(payload, in_tree, out_tree)
         except Exception as e:  # corrupt, truncated, or from another build: compile it again
-            self.counters["load_failed"] += 1
+            with self._lock:
+                self.counters["load_failed"] += 1
             log.warning("compiled program %s is unusable (%s): compiling it again", path, e)
             return None
 
@@ -207,6 +219,115 @@ def clear_registry() -> None:
     """Forget every ProgramSet of this process (tests: like `jax.clear_caches`)."""
     with _REGISTRY_LOCK:
         _REGISTRY.clear()
+
+
+# --- start-up: programs side by side, the costliest first -----------------------------------
+
+# What each step costs to compile, relative to the others (XLA:CPU seconds for the default model,
+# measured in one run: prefill 1x16 ~7, decode 4x1 ~6, the first draw of an exact hit ~2.2, a
+# row's set-up ~1.5, the rest well under 1). Start-up compiles the costliest first, so that its
+# threads end together, and estimates the time left from these weights.
+COMPILE_COST = {"spec_decode": 8.0, "prefill": 7.0, "decode": 6.0, "score": 4.0, "sample_first": 2.2,
+                "setup_row": 1.5, "setup_row_snapshot": 1.5}
+
+
+def compile_cost(shape: tuple) -> float:
+    return COMPILE_COST.get(shape[0], 0.3)
+
+
+def compile_threads() -> int:
+    """How many programs start-up compiles side by side: XLA:CPU compiles one program on one
+    core, so one per core this process may use, at most 4 (the covering set has two costly
+    programs and a few small ones). $HYBRIDJAX_COMPILE_THREADS overrides it."""
+    given = os.environ.get("HYBRIDJAX_COMPILE_THREADS", "").strip()
+    if given:
+        return max(1, int(given))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(4, cores))
+
+
+class StartUp:
+    """Has `shapes` ensured in `programs` by `threads` threads, the costliest first (`run`), and
+    says how it goes: counts by outcome, seconds per compiled shape, and the time left."""
+
+    def __init__(self, programs: ProgramSet, shapes, threads: int):
+        self.programs, self.threads = programs, max(1, min(threads, len(shapes) or 1))
+        self.total = len(shapes)
+        self._todo = sorted(shapes, key=compile_cost, reverse=True)  # stable: equal costs keep their order
+        self._running: dict[tuple, float] = {}  # shape -> when its thread began it
+        self._lock = threading.Lock()
+        self.outcomes = {"loaded": 0, "compiled": 0, "present": 0}
+        self.seconds: dict[tuple, float] = {}  # compiled shape -> seconds (lowering included)
+        self.t0 = time.perf_counter()
+
+    @property
+    def done(self) -> int:
+        return sum(self.outcomes.values())
+
+    def run(self, cancel: threading.Event, report=None) -> None:
+        """Ensure every shape; `report(shape, how, seconds)` after each (from the thread that
+        did it). Once `cancel` is set no new shape starts; returns when the started ones end
+        (a compile under way cannot be interrupted). A failed compile is raised here."""
+        errors: list[BaseException] = []
+
+        def work():
+            while not cancel.is_set() and not errors:
+                with self._lock:
+                    if not self._todo:
+                        return
+                    shape = self._todo.pop(0)
+                    self._running[shape] = time.perf_counter()
+                try:
+                    how = self.programs.ensure(shape)
+                except BaseException as e:  # noqa: BLE001  (handed to the caller's thread)
+                    errors.append(e)
+                    return
+                with self._lock:
+                    seconds = time.perf_counter() - self._running.pop(shape)
+                    self.outcomes[how] += 1
+                    if how == "compiled":
+                        self.seconds[shape] = seconds
+                if report is not None:
+                    report(shape, how, seconds)
+
+        helpers = [threading.Thread(target=work, name=f"hybridjax-startup-{i}", daemon=True)
+                   for i in range(1, self.threads)]
+        for t in helpers:
+            t.start()
+        work()  # the caller's thread is one of them
+        for t in helpers:
+            t.join()
+        if errors:
+            raise errors[0]
+
+    def seconds_left(self) -> float | None:
+        """The time left, from the seconds per unit of `compile_cost` the compiles so far took:
+        the shapes not begun, plus what the running ones still need, spread over the threads.
+        None before the first compile ends."""
+        with self._lock:
+            if not self.seconds:
+                return None
+            rate = sum(self.seconds.values()) / sum(compile_cost(s) for s in self.seconds)
+            now = time.perf_counter()
+            work = sum(compile_cost(s) for s in self._todo) * rate
+            work += sum(max(compile_cost(s) * rate - (now - t), 0.0) for s, t in self._running.items())
+            return work / self.threads
+
+    def summary(self) -> str:
+        """e.g. '8 programs compiled on 2 threads (prefill-1x16 7.1 s, decode-4x1 6.0 s, 6 more 5.2 s)'."""
+        top = sorted(self.seconds.items(), key=lambda kv: -kv[1])
+        named = [f"{shape_name(s)} {t:.1f} s" for s, t in top[:2]]
+        if len(top) > 2:
+            named.append(f"{len(top) - 2} more {sum(t for _, t in top[2:]):.1f} s")
+        parts = []
+        if self.outcomes["compiled"]:
+            parts.append(f"{self.outcomes['compiled']} compiled on {self.threads} thread{'s' * (self.threads > 1)} "
+                         f"({', '.join(named)})")
+        if self.outcomes["loaded"]:
+            parts.append(f"{self.outcomes['loaded']} loaded from disk")
+        if self.outcomes["present"]:
+            parts.append(f"{self.outcomes['present']} already in memory")
+        return f"{self.done} programs: " + ", ".join(parts) if parts else "no programs"
 
 
 # --- the engine's step lowerers ---------------------------------------------------------------

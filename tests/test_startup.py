@@ -132,7 +132,8 @@ def test_a_restart_loads_executables_without_tracing_or_compiling(exe_dir):
     refs, long_ref = _references()
     engine_programs.clear_registry()
     eng = _engine(exe_dir)
-    eng._compile_behind = lambda shapes: None
+    behind = []
+    eng._compile_behind = behind.extend
     eng.programs.ensure(("score", 1, 32))  # (kept by the first test's engine)
     before = len(_events)
     eng.start(warmup=True)
@@ -140,6 +141,9 @@ def test_a_restart_loads_executables_without_tracing_or_compiling(exe_dir):
         assert eng.ready.wait(600)
         assert _events[before:] == []  # no tracing, no compiling
         assert eng.startup["loaded"] == 8 and eng.startup["compiled"] == 0
+        # what the first run kept loads behind before anything compiles: first in line
+        kept = [s for s in behind if eng.programs.on_disk(s)]
+        assert {("decode", 1, 1), ("prefill", 1, 32)} <= set(kept) and behind[:len(kept)] == kept
         _serve_a_mix(eng, refs, long_ref)
         assert compiles_outside_the_compile_thread(before) == [] and eng.calls.live_compiles == 0
     finally:
@@ -175,6 +179,50 @@ def test_a_corrupt_or_foreign_executable_is_compiled_again(tmp_path, monkeypatch
     other = _engine(tmp_path)
     assert other.programs.key != key and other.programs.ensure(shape) == "compiled"
     assert _engine(tmp_path, slots=3).programs.key != other.programs.key  # engine settings are in the key
+
+
+def _small_programs(tmp_path=None) -> engine_programs.ProgramSet:
+    """A ProgramSet of small real programs, one per COMPILE_COST name (cheap to compile)."""
+    import numpy as np
+
+    lower = lambda r, t: jax.jit(lambda x: jax.numpy.tanh(x * r) + t).lower(np.zeros((4,), np.float32))  # noqa: E731
+    return engine_programs.ProgramSet("small", {name: lower for name in engine_programs.COMPILE_COST}, tmp_path)
+
+
+def test_start_up_compiles_side_by_side_the_costliest_first(tmp_path):
+    shapes = [(name, 1, 2) for name in engine_programs.COMPILE_COST]
+    ps = _small_programs(tmp_path)
+    order = []
+    one = engine_programs.StartUp(ps, shapes, threads=1)
+    one.run(threading.Event(), lambda shape, how, seconds: order.append(shape))
+    assert order == sorted(shapes, key=engine_programs.compile_cost, reverse=True)
+    assert one.outcomes == {"compiled": len(shapes), "loaded": 0, "present": 0} and one.seconds_left() == 0
+    assert one.summary().startswith(f"{len(shapes)} programs: {len(shapes)} compiled on 1 thread (")
+
+    engine_programs.clear_registry()  # a restart, on two threads: every program loads, once
+    ps = _small_programs(tmp_path)
+    two = engine_programs.StartUp(ps, shapes, threads=2)
+    two.run(threading.Event())
+    assert two.outcomes == {"compiled": 0, "loaded": len(shapes), "present": 0} and two.threads == 2
+    assert all(ps.has(s) for s in shapes) and ps.counters["loaded"] == len(shapes)
+    assert two.summary() == f"{len(shapes)} programs: {len(shapes)} loaded from disk"
+
+    cancelled = threading.Event()
+    cancelled.set()  # the engine stopped: nothing new starts
+    none = engine_programs.StartUp(_small_programs(), [("decode", 2, 1)], threads=2)
+    none.run(cancelled)
+    assert none.done == 0 and not none.programs.has(("decode", 2, 1))
+
+
+def test_one_shape_asked_for_by_two_threads_compiles_once():
+    ps = _small_programs()
+    outcomes = []
+    threads = [threading.Thread(target=lambda: outcomes.append(ps.ensure(("prefill", 3, 4)))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(outcomes) == ["compiled", "present"] and ps.counters["compiled"] == 1
 
 
 # --- the command line ----------------------------------------------------------------------
@@ -233,8 +281,9 @@ def test_an_interrupt_during_start_up_stops_at_once(tmp_path, sig):
 
 
 def test_generate_keeps_compiled_programs_and_says_so_once(tmp_path):
-    """`hybridjax generate` uses the compile cache: a first run says, once, that it compiles; a
-    second run on the same cache says nothing of it and gives the same tokens."""
+    """`hybridjax generate` uses the compile cache: a first run says, once, that it compiles, and
+    then what it compiled in how long; a second run on the same cache says nothing of it and
+    gives the same tokens."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     cmd = [sys.executable, "-m", "hybridjax.cli", "generate", "--token-ids", "1,2,3", "--max-new-tokens", "3",
            "--json", "--compile-cache-dir", str(tmp_path)]
@@ -242,5 +291,6 @@ def test_generate_keeps_compiled_programs_and_says_so_once(tmp_path):
     second = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert first.returncode == second.returncode == 0, first.stderr + second.stderr
     assert first.stderr.count("hybridjax: compiling the model's programs") == 1, first.stderr
-    assert "compiling" not in second.stderr, second.stderr
+    assert first.stderr.count("hybridjax: compiled ") == 1, first.stderr  # how many, how long
+    assert "compiling" not in second.stderr and "compiled" not in second.stderr, second.stderr
     assert first.stdout == second.stdout and any(tmp_path.iterdir())

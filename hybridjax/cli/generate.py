@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from hybridjax.cli.common import (DTYPE_HELP, PACK_HELP, CLIError, add_compile_cache, add_mesh_args, init_distributed,
@@ -65,12 +66,24 @@ def cmd_generate(args) -> int:
         out = g.token_lists()[0]
         if spec:
             spec = {"speculative": {"drafted": int(g.drafted[0]), "accepted": int(g.accepted[0])}}
+    _say_what_compiled(args)
     text = tok.decode(out, skip_special_tokens=True) if tok is not None else None
     if args.json:
         print(json.dumps({"prompt_token_ids": prompt, "token_ids": out, "text": text, **spec}))
     elif not args.stream:
         print(text if text is not None else " ".join(map(str, out)))
     return 0
+
+
+def _say_what_compiled(args) -> None:
+    """After a first run's compiles, one line: how many programs, how long, and that the next
+    run skips them (the compile cache keeps them)."""
+    from hybridjax.compile_cache import compiled_so_far
+
+    n, seconds = compiled_so_far()
+    if n and not args.no_compile_cache:
+        print(f"hybridjax: compiled {n} programs in {seconds:.1f} s; the next run loads them instead", file=sys.stderr,
+              flush=True)
 
 
 def add_generate(sub) -> None:
