@@ -254,6 +254,23 @@ def test_engine_decode_step_carries_the_kernel_on_gpu():
     assert "paged_attention" not in re.findall(r'name = "(\w+)"', prefill)
 
 
+@pytest.mark.parametrize("pages_per_row", [1, 2, 4])
+def test_engine_decode_step_copies_no_pool_with_a_short_table(pages_per_row):
+    """On CPU the decode step writes its token into the page pools in place for any table width.
+    With a table of one attention block, XLA:CPU once inlined the block loop, fused the page gather
+    with the write and copied every pool twice per step (6x slower at max_len 256)."""
+    from hybridjax import engine_steps as steps
+    from hybridjax.default_model import tiny_test_model
+
+    cfg, params, _ = tiny_test_model()
+    state = jax.eval_shape(lambda: steps.init_state(cfg, 2, 32, 16))
+    rows, table = sds((1,), jnp.int32), sds((1, pages_per_row), jnp.int32)
+    hlo = steps.decode.trace(params, state, rows, table, cfg, "xla").lower().compile().as_text()
+    pool = re.escape(str(state.layers[cfg.layer_types.index("full_attention")].k.shape).replace(" ", "")[1:-1])
+    copies = re.findall(rf"= f32\[{pool}\]\S* copy\(", hlo)
+    assert not copies, copies
+
+
 # ---- choices that cannot run fail fast ---------------------------------------------------------
 
 

@@ -21,7 +21,9 @@ def paged_attention_xla(q, k_pages, v_pages, page_table, q_pos, *, scale, block_
     _, s, hkv, _ = k_pages.shape
     g, n = hq // hkv, page_table.shape[1]
     bp = min(block_pages or max(1, BLOCK_TOKENS // s), n)
-    n_blocks_max = -(-n // bp)
+    # At least two blocks (the second only padding): a loop XLA can prove runs once is inlined, and
+    # XLA:CPU then fuses the page gather with the step's page write and copies whole pools per step.
+    n_blocks_max = max(2, -(-n // bp))
     table = jnp.pad(page_table, ((0, 0), (0, n_blocks_max * bp - n)))  # padding is never visible
     table = jnp.clip(table, 0, k_pages.shape[0] - 1)
     span = bp * s  # keys per block

@@ -1,0 +1,302 @@
+"""Decode through the engine and the HTTP server against the library's `generate`, in one run.
+
+    python benchmarks/bench_serve_decode.py [--model-dir DIR] [--dtype float32] [--prompt 32]
+        [--new-tokens 128] [--streams 1,4] [--rounds 3] [--max-len 4096] [--profile] [--json OUT]
+
+One process, one model (the random Qwen3.5 of bench_generate.py, 228 M params, built into
+--model-dir if absent; a word-level tokenizer of its 32000 ids is written beside it, since the
+server needs one). Greedy, `--new-tokens` after a `--prompt`-token prompt, no stop tokens:
+
+  generate   the library's `hybridjax.generate.generate`, batch 1:
+             (N - 1) / (t(N new tokens) - t(1 new token))
+  engine     `Engine` as `hybridjax serve` builds it (`build_engine`, default ServerConfig but
+             --max-len; prefix cache on), S concurrent requests submitted directly:
+             tokens after each first / (last token's time - first token's time)
+  server     the same engine behind the app and uvicorn on 127.0.0.1, S concurrent streamed
+             `/v1/completions` requests (token-id prompts, `ignore_eos`), timed as `engine` from
+             the SSE chunks the client reads
+  compiles   the engine serves once its covering set is compiled and compiles the rest behind
+             (`Engine.background_shapes`); timing waits until that is done unless
+             --during-compiles (then the rounds run on the covering set's padded decode bucket,
+             beside the compiling thread: what a user timing a fresh server sees)
+  per token  with --profile: where the engine worker's time per token goes (wall time inside
+             `_dispatch` (building arguments, launching the step), the wait for a step's outputs,
+             delivering (detokenising, events) and the rest of the loop), from the engine's
+             own methods timed around their calls during one extra engine round
+
+Each round runs every section once (generate, then engine and server per S), so load drift hits
+all alike; medians over `--rounds` are shown, and ratios to `generate` of the same round. The
+engine's and the server's tokens are checked against `generate`'s. The machine may be shared:
+the load average is printed before and after; quote ratios from one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures as cf
+import dataclasses
+import json
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def loadavg() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def word_tokenizer(model_dir: Path, vocab: int) -> None:
+    """A word-level tokenizer.json with one word per id (w0 .. w{vocab-1}) and ChatML specials above."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>", "<|endoftext|>"])
+    tok.save(str(model_dir / "tokenizer.json"))
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """The app over `engine` under uvicorn in a thread of this process."""
+
+    def __init__(self, engine, name: str, sc):
+        import uvicorn
+
+        from hybridjax.server import create_app
+        from hybridjax.server.connections import uvicorn_options
+
+        self.port = free_port()
+        app = create_app(engine, name, warmup=False)
+        options = uvicorn_options(dataclasses.replace(sc, host="127.0.0.1", port=self.port))
+        self.server = uvicorn.Server(uvicorn.Config(app, **options, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+
+
+def stream_one(port: int, name: str, prompt: list[int], n: int) -> tuple[list[float], list[str], list[float]]:
+    """Chunk arrival times, texts and process CPU times of one streamed /v1/completions request."""
+    import httpx
+
+    body = dict(model=name, prompt=prompt, max_tokens=n, temperature=0, stream=True, ignore_eos=True)
+    times, texts, cpu = [], [], []
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=600) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choice = json.loads(line[6:])["choices"][0]
+                if choice.get("text"):
+                    times.append(time.perf_counter())
+                    cpu.append(time.process_time())
+                    texts.append(choice["text"])
+    return times, texts, cpu
+
+
+def rate(firsts: list[float], lasts: list[float], tokens: int) -> float:
+    return tokens / (max(lasts) - min(firsts))
+
+
+class Profile:
+    """Wall seconds the engine worker spends in its parts, from its methods timed around their
+    calls (instance attributes shadow the class's methods while the profile is open)."""
+
+    PARTS = {"_admit": "admit", "_prefill": "prefill", "_dispatch": "dispatch (arguments, launch)",
+             "_deliver": "deliver (detokenise, events)"}
+
+    def __init__(self, engine):
+        self.engine, self.totals = engine, collections.Counter()
+
+    def _timed(self, fn, label):
+        def wrapped(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.totals[label] += time.perf_counter() - t0
+        return wrapped
+
+    def __enter__(self):
+        import jax
+
+        for name, label in self.PARTS.items():
+            setattr(self.engine, name, self._timed(getattr(self.engine, name), label))
+        process = self.engine._process
+
+        def wait_then_process(step):  # the first read of a step's outputs waits for the step
+            t0 = time.perf_counter()
+            jax.block_until_ready(step.outputs)
+            self.totals["wait for the step's outputs"] += time.perf_counter() - t0
+            process(step)
+
+        self.engine._process = wait_then_process
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall = time.perf_counter() - self.t0
+        for name in (*self.PARTS, "_process"):
+            delattr(self.engine, name)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model-dir", default="/tmp/bench_serve_decode_model")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--streams", default="1,4")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-len", type=int, default=4096)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--during-compiles", action="store_true",
+                    help="time from when the engine is ready, while the rest of its programs compile behind")
+    ap.add_argument("--sections", default="engine,server")
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+
+    import bench_generate
+
+    model_dir = Path(a.model_dir)
+    if not (model_dir / "config.json").exists():
+        print(f"building the model into {model_dir}", flush=True)
+        bench_generate.build_model(model_dir)
+    if not (model_dir / "tokenizer.json").exists():
+        word_tokenizer(model_dir, bench_generate.MODEL["vocab_size"])
+
+    import jax
+
+    import hybridjax
+    from hybridjax import generate as hg
+    from hybridjax.engine import GenerationRequest
+    from hybridjax.server import ServerConfig
+    from hybridjax.server.app import build_engine
+    from hybridjax.tokenizer import Tokenizer
+
+    print(f"load before: {loadavg()}; {os.cpu_count()} CPUs; machine may be shared", flush=True)
+    cfg, params = hybridjax.load_hf(model_dir, dtype=a.dtype)
+    tok = Tokenizer.from_dir(model_dir)
+    name = "bench"
+    sc = ServerConfig(max_len=a.max_len)
+    engine, _ = build_engine(sc, cfg, params, tok, name)
+    t0 = time.perf_counter()
+    engine.start(warmup=True)
+    engine.ready.wait()
+    print(f"engine ready in {time.perf_counter() - t0:.0f} s (covering set)", flush=True)
+    if not a.during_compiles:
+        while engine.compiling:  # the rest compiles behind, taking a core the steps would use
+            time.sleep(0.5)
+        print(f"every program compiled in {time.perf_counter() - t0:.0f} s", flush=True)
+    sections = a.sections.split(",")
+    server = Server(engine, name, sc) if "server" in sections else None
+    streams = [int(s) for s in a.streams.split(",")]
+    n = a.new_tokens
+    prompts = [bench_generate.prompt_tokens(a.prompt + i).tolist() for i in range(max(streams))]
+
+    def lib(new: int):
+        t0 = time.perf_counter()
+        g = hg.generate(params, cfg, [prompts[0]], max_new_tokens=new, stop_ids=())
+        jax.block_until_ready(g)
+        return time.perf_counter() - t0, g.token_lists()[0]
+
+    def lib_rate():
+        c0 = time.process_time()
+        t1, _ = lib(1)
+        c1 = time.process_time()
+        tn, toks = lib(n)
+        c2 = time.process_time()
+        return ((n - 1) / (tn - t1), (n - 1) / ((c2 - c1) - (c1 - c0))), toks
+
+    def eng_rate(s: int):
+        hs = [engine.submit(GenerationRequest(prompts[i], max_tokens=n)) for i in range(s)]
+        firsts, lasts, cpu = [], [], []
+        for h in hs:
+            for i, _ in enumerate(h.events()):
+                if i == 0:
+                    firsts.append(time.perf_counter())
+                    cpu.append(time.process_time())
+            lasts.append(time.perf_counter())
+        tokens = sum(len(h.token_ids) - 1 for h in hs)
+        return (rate(firsts, lasts, tokens), tokens / (time.process_time() - min(cpu))), [h.token_ids for h in hs]
+
+    def srv_rate(s: int):
+        with cf.ThreadPoolExecutor(s) as ex:
+            res = list(ex.map(lambda i: stream_one(server.port, name, prompts[i], n), range(s)))
+        tokens = sum(len(t) - 1 for t, _, _ in res)
+        wall = rate([t[0] for t, _, _ in res], [t[-1] for t, _, _ in res], tokens)
+        cpu = rate([c[0] for _, _, c in res], [c[-1] for _, _, c in res], tokens)
+        return (wall, cpu), [x for _, x, _ in res]
+
+    ref = {}  # the tokens of each prompt, from generate (batch 1)
+    for i in range(max(streams)):
+        ref[i] = hg.generate(params, cfg, [prompts[i]], max_new_tokens=n, stop_ids=()).token_lists()[0]
+    same = {}
+    for s in streams:  # compile / warm every path once (not timed)
+        if "engine" in sections:
+            same[("engine", s)] = eng_rate(s)[1] == [ref[i] for i in range(s)]
+        if server:
+            texts = srv_rate(s)[1]
+            same[("server", s)] = ["".join(t) == tok.decode(ref[i]) for i, t in enumerate(texts)] == [True] * s
+    lib_rate()
+
+    results = collections.defaultdict(list)  # path -> [(wall tok/s, cpu tok/s, wall x, cpu x)] per round
+    for r in range(a.rounds):
+        base = lib_rate()[0]
+        results["generate"].append(base + (1.0, 1.0))
+        for s in streams:
+            for kind, fn in (("engine", eng_rate), ("server", srv_rate if server else None)):
+                if kind in sections and fn is not None:
+                    v = fn(s)[0]
+                    results[f"{kind} x{s}"].append(v + (v[0] / base[0], v[1] / base[1]))
+        print(f"round {r}: " + ", ".join(f"{k} {v[-1][0]:.1f}" for k, v in results.items())
+              + f"; load {loadavg()}; compiling behind: {engine.compiling}", flush=True)
+
+    print(f"\n{cfg.num_hidden_layers} layers, {a.dtype}, {n} tokens after {a.prompt}, greedy, medians of {a.rounds} "
+          f"rounds; load after: {loadavg()}")
+    print("cpu tok/s: tokens per second of this process's CPU time (all threads; the server's includes its client)")
+    print(f"{'path':<12} {'tok/s':>7} {'x generate':>10} {'cpu tok/s':>10} {'x generate':>10} {'same tokens':>12}")
+    rows = []
+    for k, v in results.items():
+        med = [statistics.median(x[j] for x in v) for j in range(4)]
+        kind, _, s = k.partition(" x")
+        ok = same.get((kind, int(s)), True) if s else True
+        print(f"{k:<12} {med[0]:>7.1f} {med[2]:>9.2f}x {med[1]:>10.1f} {med[3]:>9.2f}x {str(ok):>12}")
+        rows.append(dict(path=k, tok_s=med[0], ratio=med[2], cpu_tok_s=med[1], cpu_ratio=med[3], same=ok))
+
+    if a.profile:
+        for s in streams:
+            with Profile(engine) as p:
+                _, toks = eng_rate(s)
+            tokens = sum(len(t) for t in toks)
+            print(f"\nper token, engine x{s} ({tokens} tokens, {p.wall / tokens * 1e3:.1f} ms wall per token; load {loadavg()}):")
+            for label, sec in p.totals.most_common():
+                print(f"  {label:<26} {sec / tokens * 1e3:7.2f} ms")
+    if server:
+        server.stop()
+    engine.stop()
+    if a.json:
+        Path(a.json).write_text(json.dumps(dict(rows=rows, load=loadavg()), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
