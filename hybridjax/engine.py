@@ -38,6 +38,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -75,6 +76,17 @@ def _end_compiles() -> None:
         for t in eng._compiling_threads():
             t.join()
 SHARE_MIN_TOKENS = 16  # a request waits for another's shared-prefix snapshot only past this many tokens
+
+
+def _yield_cpu_to_serving() -> None:
+    """Lower the calling thread's CPU priority (Linux: the nice value is per thread), so that the
+    programs compiled behind take the cores the streams being served leave idle: on 2 cores one
+    compile held a core and one stream ran at 0.75x of generate until all were done
+    (benchmarks/bench_serve_decode.py --during-compiles)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):  # not Linux, or not allowed: compile at the same priority
+        pass
 
 
 class QueueFull(Exception):
@@ -610,6 +622,7 @@ class Engine:
             return
 
         def run():
+            _yield_cpu_to_serving()
             t0, n = time.perf_counter(), 0
             while not self._cancel.is_set():
                 try:

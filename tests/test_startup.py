@@ -294,3 +294,22 @@ def test_generate_keeps_compiled_programs_and_says_so_once(tmp_path):
     assert first.stderr.count("hybridjax: compiled ") == 1, first.stderr  # how many, how long
     assert "compiling" not in second.stderr and "compiled" not in second.stderr, second.stderr
     assert first.stdout == second.stdout and any(tmp_path.iterdir())
+
+
+def test_the_thread_compiling_behind_yields_the_cpu_to_serving():
+    """The compile thread lowers its own nice value (per thread on Linux); the process's, which
+    the engine loop and the server run at, is unchanged."""
+    from hybridjax.engine import _yield_cpu_to_serving
+
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    seen = []
+
+    def compile_thread():
+        _yield_cpu_to_serving()
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    t = threading.Thread(target=compile_thread)
+    t.start()
+    t.join()
+    assert seen == [min(before + 10, 19)]
+    assert os.getpriority(os.PRIO_PROCESS, 0) == before
