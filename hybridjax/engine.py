@@ -796,7 +796,8 @@ class Engine:
         rest = [s for s in self.background_shapes() if not self.programs.has(s)]
         rest.sort(key=lambda s: not self.programs.on_disk(s))  # a restart loads all it kept (quick) before compiling
         self.startup.update(ready_s=time.perf_counter() - t0, behind=len(rest))
-        log.info("start-up: ready in %.1f s: %s%s", self.startup["ready_s"], self.startup["summary"],
+        log.info("start-up: ready in %.1f s: %s%s", self.startup["ready_s"],
+                 self.startup.get("summary", "nothing prepared"),  # (a warm-up replaced by the caller)
                  f"; {len(rest)} more compile behind" if rest else "")
         self._compile_behind(rest)
 

@@ -343,6 +343,7 @@ def test_serve_with_speculative_tokens_over_http(model, reference):
 
 def test_cli_serve_passes_speculative_tokens(monkeypatch):
     import hybridjax.cli as cli
+    import hybridjax.cli.serve as cli_serve
     import hybridjax.server
 
     seen = {}
@@ -351,9 +352,9 @@ def test_cli_serve_passes_speculative_tokens(monkeypatch):
     from types import SimpleNamespace as NS
 
     cfg, params = NS(num_hidden_layers=1, max_position_embeddings=64), NS(embed=NS(dtype="float32"))
-    monkeypatch.setattr(cli, "load_model", lambda *a: (cfg, params, object(), "m"))
-    monkeypatch.setattr(cli, "_size", lambda params: (0, 0))
-    monkeypatch.setattr(cli, "use_compile_cache", lambda *a: None)
+    monkeypatch.setattr(cli_serve, "load_model", lambda *a: (cfg, params, object(), "m"))
+    monkeypatch.setattr(cli_serve, "_size", lambda params: (0, 0))
+    monkeypatch.setattr(cli_serve, "use_compile_cache", lambda *a: None)
     cli.main(["serve", "--speculative-tokens", "2", "--speculative-adaptive", "--no-compile-cache"])
     assert seen["sc"].speculative_tokens == 2 and seen["sc"].speculative_adaptive
 
