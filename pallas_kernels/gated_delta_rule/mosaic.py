@@ -53,6 +53,14 @@ def gate_scales(g, c=CHUNK):
     return jnp.exp(b_last - b).reshape(B, Hv, T), jnp.exp(b_last[..., 0])
 
 
+def _wgmma(a, b, shape):
+    """a @ b (SMEM operands) on one WGMMA into a fresh float32 accumulator of `shape`, read out."""
+    def run(acc):
+        plgpu.wgmma(acc, a, b)
+        return acc[...]
+    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
 def _swizzled(shape, dtype):
     """An SMEM buffer that WGMMA and TMA read: 8-row tiles, 128-byte swizzle."""
     elems = 128 // jnp.dtype(dtype).itemsize
@@ -227,10 +235,7 @@ def intra_mosaic(k, v, vecs, *, r, interpret=False):
         plgpu.barrier_wait(loaded)
 
         def matmul(a, b_, n_cols):
-            def run(acc):
-                plgpu.wgmma(acc, a, b_)
-                return acc[...]
-            return pl.run_scoped(run, plgpu.ACC((c, n_cols), f32))
+            return _wgmma(a, b_, (c, n_cols))
 
         def matmul3(x_hi, x_lo, y_hi, y_lo):  # (x_hi + x_lo)(y_hi + y_lo) less the lo lo term
             def run(acc):
@@ -344,10 +349,7 @@ def output_mosaic(q, k, u, h, vecs, *, out_dtype, interpret=False):
         plgpu.barrier_wait(loaded)
 
         def matmul(a, b_, n_cols):
-            def run(acc):
-                plgpu.wgmma(acc, a, b_)
-                return acc[...]
-            return pl.run_scoped(run, plgpu.ACC((c, n_cols), f32))
+            return _wgmma(a, b_, (c, n_cols))
 
         vec = lambda i, layout: plgpu.load(vec_smem.at[i], layout=layout)  # noqa: E731
         bcast = lambda x, dim, n_cols: jax.lax.broadcast_in_dim(x, (c, n_cols), [dim])  # noqa: E731
