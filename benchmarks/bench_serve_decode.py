@@ -117,14 +117,14 @@ def rate(firsts: list[float], lasts: list[float], tokens: int) -> float:
 
 
 class Profile:
-    """Wall seconds the engine worker spends in its parts, from its methods timed around their
-    calls (instance attributes shadow the class's methods while the profile is open)."""
+    """Wall seconds the engine worker spends in its parts, from its loop's methods timed around
+    their calls (instance attributes shadow the class's methods while the profile is open)."""
 
     PARTS = {"_admit": "admit", "_prefill": "prefill", "_dispatch": "dispatch (arguments, launch)",
              "_deliver": "deliver (detokenise, events)"}
 
     def __init__(self, engine):
-        self.engine, self.totals = engine, collections.Counter()
+        self.engine, self.totals = engine.loop, collections.Counter()  # hybridjax.engine.DeviceLoop
 
     def _timed(self, fn, label):
         def wrapped(*a, **k):

@@ -32,7 +32,7 @@ tokens), K = 0 the plain engine. decode tok/s = tokens after each request's firs
 round runs (not timed), then the Ks alternate round by round; best of `--repeats`. acceptance
 from the engine's counters; tokens of every K are checked against K = 0's. "fixed": every
 step drafts (the engine's default); "adaptive": plain steps while drafting does not pay
-(`engine._SpecPolicy`); "drafting" = the share of steps that drafted.
+(`scheduler.SpecPolicy`); "drafting" = the share of steps that drafted.
 
 The machine is shared with other agents: compare figures of one run only, as ratios to K = 0;
 each table prints the load average when it is printed. "cpu tok/s": the same count over the

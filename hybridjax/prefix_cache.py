@@ -47,7 +47,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
@@ -615,11 +615,3 @@ def history_boundary(tokenizer, messages: list[dict], prompt_ids: Sequence[int],
         return len(ids)
     return None
 
-
-def checkpoint_positions(start: int, end: int, interval: int, extra: Iterable[int] = ()) -> list[int]:
-    """Where to cut a prefill from `start` to `end`: multiples of `interval` and `extra`
-    positions strictly inside (start, end), then `end`."""
-    cuts = set(p for p in extra if start < p < end)
-    if interval > 0:
-        cuts |= set(range((start // interval + 1) * interval, end, interval))
-    return sorted(cuts) + [end]

@@ -366,12 +366,12 @@ def test_after_warmup_the_engines_compiled_nothing(spec):
 
 
 def test_spec_policy_backs_off_probes_that_lose():
-    """`_SpecPolicy` (pure host logic): while drafting loses (a drafting step twice a plain one's
+    """`SpecPolicy` (pure host logic): while drafting loses (a drafting step twice a plain one's
     time for one token), probes come after 16, 32, then every 64 steps; when drafting wins, plain probes
     back off alike; a flip of the choice restarts the gap at 16."""
-    from hybridjax.engine import _SpecPolicy
+    from hybridjax.scheduler import SpecPolicy
 
-    pol = _SpecPolicy()
+    pol = SpecPolicy()
 
     def run(n, t_spec, gain):
         kinds = []

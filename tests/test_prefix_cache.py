@@ -17,7 +17,8 @@ import pytest
 
 from hybridjax.cache import init_cache, nbytes
 from hybridjax.default_model import tiny_test_model
-from hybridjax.prefix_cache import FILE_SUFFIX, MAGIC, SnapshotStore, checkpoint_positions, history_boundary
+from hybridjax.prefix_cache import FILE_SUFFIX, MAGIC, SnapshotStore, history_boundary
+from hybridjax.scheduler import checkpoint_positions
 
 VOCAB = 8  # logits length: only their bytes and values matter here
 

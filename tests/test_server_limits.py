@@ -178,7 +178,7 @@ def test_a_request_that_fails_in_the_engine_is_counted(server, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("admission broke")
 
-    monkeypatch.setattr(server.engine, "_start", boom)
+    monkeypatch.setattr(server.engine.loop, "_start", boom)  # admission (hybridjax.engine.DeviceLoop)
     r = post(server, "/v1/completions", {"model": MODEL, "prompt": "fail me", "max_tokens": 2})
     assert error_of(r, 500)["type"] == "server_error"
     monkeypatch.undo()

@@ -299,13 +299,13 @@ def test_generate_keeps_compiled_programs_and_says_so_once(tmp_path):
 def test_the_thread_compiling_behind_yields_the_cpu_to_serving():
     """The compile thread lowers its own nice value (per thread on Linux); the process's, which
     the engine loop and the server run at, is unchanged."""
-    from hybridjax.engine import _yield_cpu_to_serving
+    from hybridjax.engine_startup import yield_cpu_to_serving
 
     before = os.getpriority(os.PRIO_PROCESS, 0)
     seen = []
 
     def compile_thread():
-        _yield_cpu_to_serving()
+        yield_cpu_to_serving()
         seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
 
     t = threading.Thread(target=compile_thread)

@@ -87,7 +87,7 @@ class ServerConfig:
     executable_dir: str | None = None  # keep compiled programs here between runs (engine_programs)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get a 413
     speculative_tokens: int = 0  # K drafts of the MTP head per decode step (0: plain decoding)
-    speculative_adaptive: bool = False  # plain steps while drafting does not pay (engine._SpecPolicy)
+    speculative_adaptive: bool = False  # plain steps while drafting does not pay (scheduler.SpecPolicy)
     # Slow and silent clients (hybridjax.server.connections): seconds to send a request's headers,
     # its body, and to send the next request on a kept-alive connection; open connections at most.
     header_timeout_s: float = 10.0

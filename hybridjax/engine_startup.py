@@ -1,0 +1,157 @@
+"""What the engine compiles, and when: every program its loop can run (`Shapes`), the covering set
+it serves from, and `Compiles`: the covering set ahead on several threads, the rest behind on one
+low-priority thread while the engine serves, a scoring program next in line when a request needs it.
+Programs themselves (executables, kept on disk) are hybridjax.engine_programs'."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections import deque
+from typing import Callable, Sequence
+
+from hybridjax import engine_programs as programs
+from hybridjax.generate import length_bucket
+
+log = logging.getLogger("hybridjax.engine")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """The programs of an engine's settings, as (step name, rows, tokens)."""
+
+    decode_buckets: tuple[int, ...]
+    prefill_buckets: tuple[int, ...]
+    prefill_chunk: int
+    speculative_tokens: int
+    max_len: int
+
+    def all(self) -> list[tuple]:
+        """Every program the loop runs: what a full warm-up compiles."""
+        k = self.speculative_tokens
+        out = [("spec_decode", r, k + 1) for r in self.decode_buckets] if k else []
+        # Plain steps also serve a speculative engine's constrained rows (they never draft).
+        out += [("decode", r, 1) for r in self.decode_buckets]
+        out += [("sample_first", 1, 0)]  # an exact hit is admitted, and draws, alone
+        out += [("set_bits", r, 0) for r in self.decode_buckets]
+        t = 16
+        while t <= self.prefill_chunk:
+            out += [("prefill", r, t) for r in self.prefill_buckets if r * t <= self.prefill_chunk]
+            t *= 2
+        return out + [("setup_row", 1, 0), ("setup_row_snapshot", 1, 0), ("read_row", 1, 0), ("copy_page", 1, 0)]
+
+    def covering(self) -> list[tuple]:
+        """The fewest programs that serve every request correctly: the largest decode bucket (any
+        batch pads to it), one row's smallest prefill chunk (any prompt splits into such chunks),
+        the first draw of an exact hit and the per-request helpers."""
+        top = self.decode_buckets[-1]
+        k = self.speculative_tokens
+        out = [("spec_decode", top, k + 1)] if k else []
+        out.append(("decode", top, 1))  # also a speculative engine's constrained rows (they never draft)
+        out += [("prefill", 1, 16), ("sample_first", 1, 0), ("set_bits", top, 0)]
+        return out + [s for s in self.all() if s[0] in ("setup_row", "setup_row_snapshot", "read_row", "copy_page")]
+
+    def score(self) -> list[tuple]:
+        """The prompt-scoring programs (`Engine.prompt_logprobs`): one per padded length up to max_len."""
+        out, t = [], 16
+        while t <= length_bucket(self.max_len):
+            out.append(("score", 1, t))
+            t *= 2
+        return out
+
+    def background(self) -> list[tuple]:
+        """What compiles behind, the most useful first: smaller decode buckets, longer one-row
+        prefill chunks (fewer calls per prompt), the scoring programs, prefills of several rows."""
+        have = set(self.covering())
+        rest = [s for s in self.all() + self.score() if s not in have]
+        order = {"decode": 0, "spec_decode": 0, "prefill": 1, "score": 2}
+        return sorted(rest, key=lambda s: (order.get(s[0], 0) + (s[0] == "prefill" and s[1] > 1) * 2,
+                                           -s[2] if s[0] == "prefill" else s[2], s[1]))
+
+    def ready_buckets(self, name: str, tokens: int, has: Callable | None) -> list[int]:
+        """The decode buckets whose `name` program exists (`has` None: all may run)."""
+        return [r for r in self.decode_buckets if has is None or has((name, r, tokens))]
+
+    def ready_prefill(self, has: Callable | None) -> dict[int, list[int]]:
+        """rows -> the chunk widths (ascending) whose prefill program exists (`has` None: all)."""
+        out: dict[int, list[int]] = {}
+        for name, r, t in self.all():
+            if name == "prefill" and (has is None or has((name, r, t))):
+                out.setdefault(r, []).append(t)
+        return {r: sorted(ts) for r, ts in out.items()}
+
+
+def yield_cpu_to_serving() -> None:
+    """Lower the calling thread's CPU priority (Linux: the nice value is per thread), so that the
+    programs compiled behind take the cores the streams being served leave idle: on 2 cores one
+    compile held a core and one stream ran at 0.75x of generate until all were done
+    (benchmarks/bench_serve_decode.py --during-compiles)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):  # not Linux, or not allowed: compile at the same priority
+        pass
+
+
+class Compiles:
+    """An engine's programs coming into being (`programs`: its ProgramSet): ahead (`prepare`),
+    behind (`behind`), or one moved to the front of the line (`first`). `cancel` stops them
+    between programs (a compile under way cannot be interrupted)."""
+
+    def __init__(self, program_set: "programs.ProgramSet", cancel: threading.Event):
+        self.programs, self.cancel = program_set, cancel
+        self.queue: deque[tuple] = deque()  # shapes the thread behind does next, in order
+        self.thread: threading.Thread | None = None
+        self.startup: dict = {}  # how `prepare` went: seconds, programs loaded / compiled
+
+    def prepare(self, shapes: Sequence[tuple], progress: bool) -> float:
+        """Have `shapes` compiled or loaded, several side by side (`engine_programs.StartUp`), one
+        log line each (at INFO with `progress`: n/N, seconds, time left). Returns the seconds."""
+        run = programs.StartUp(self.programs, list(shapes), programs.compile_threads())
+
+        def report(shape, how, seconds):
+            left = run.seconds_left() if run.done < run.total else None
+            eta = f", about {left:.0f} s left" if left else ""
+            level = logging.INFO if progress and how == "compiled" else logging.DEBUG  # a load is quick: no news
+            log.log(level, "start-up: %d/%d %s %s in %.1f s%s", run.done, run.total, programs.shape_name(shape), how,
+                    seconds, eta)
+
+        run.run(self.cancel, report)
+        seconds = time.perf_counter() - run.t0
+        self.startup = dict(seconds=seconds, programs=len(shapes), summary=run.summary(), **run.outcomes)
+        return seconds
+
+    def behind(self, shapes: Sequence[tuple]) -> None:
+        """Compile `shapes` in a thread at low priority while the engine serves."""
+        self.queue.extend(shapes)
+        if not shapes:
+            return
+
+        def run():
+            yield_cpu_to_serving()
+            t0, n = time.perf_counter(), 0
+            while not self.cancel.is_set():
+                try:
+                    shape = self.queue.popleft()
+                except IndexError:
+                    break
+                try:
+                    n += self.programs.ensure(shape) != "present"
+                except Exception:  # that bucket stays missing: its requests keep using the others
+                    log.exception("compiling %s failed", programs.shape_name(shape))
+            if n and not self.cancel.is_set():  # DEBUG: the URL stays the last line a user sees
+                log.debug("start-up: the other %d programs are ready too (%.1f s behind, %d loaded, %d compiled)", n,
+                          time.perf_counter() - t0, self.programs.counters["loaded"], self.programs.counters["compiled"])
+
+        self.thread = threading.Thread(target=run, name="hybridjax-compile", daemon=True)
+        self.thread.start()
+
+    def first(self, shape: tuple) -> None:
+        """Have `shape` now: the thread behind does it next (and this waits for it); with no
+        thread behind, the caller's thread compiles it."""
+        self.queue.appendleft(shape)  # a shape compiled twice is only 'present'
+        while not self.programs.wait_for(shape, 0.5):
+            if self.thread is None or not self.thread.is_alive():
+                self.programs.ensure(shape)
