@@ -8,7 +8,7 @@ TESTENV := $(VENV)/.installed-test
 NOTEBOOKENV := $(VENV)/.installed-notebooks
 # day-to-day: model parity, kernels, pages, the snapshot store, the engine, the server (a few minutes)
 QUICK_TESTS := tests/test_model.py tests/test_delta_rule.py tests/test_pages.py tests/test_prefix_cache.py \
-               tests/test_engine.py tests/test_server.py
+               tests/test_scheduler.py tests/test_engine.py tests/test_server.py
 
 # The second JAX line: Python 3.12 + JAX 0.11.2, what the accelerator machines carry (pyenv's 3.12
 # on this image). It installs the torch-free test extra only; tests needing torch skip there.
@@ -85,7 +85,7 @@ notebooks: $(NOTEBOOKENV)
 # torch/transformers parity tests (3.11 lane only): the whole `.ci/run` stays under 30 minutes.
 # All torch-free tests on this line: `make test-jax011 JAX011_TESTS=tests`.
 JAX011_TESTS ?= tests/test_pallas.py tests/test_paged_kernel.py tests/test_grouped_matmul.py \
-	tests/test_delta_rule.py tests/test_default_model.py tests/test_engine.py \
+	tests/test_delta_rule.py tests/test_default_model.py tests/test_scheduler.py tests/test_engine.py \
 	tests/test_gpu_check.py tests/test_mosaic.py
 test-jax011: $(JAX011)
 	$(BIN312)/python $(PYTEST) $(JAX011_TESTS)
