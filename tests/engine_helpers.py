@@ -67,6 +67,16 @@ def run(eng: Engine, prompt, max_tokens: int, **kw):
     return collect(eng.submit(GenerationRequest(list(prompt), max_tokens=max_tokens, **kw)))
 
 
+def serve_cold_checked(eng: Engine, prompts, max_tokens: int) -> None:
+    """Start `eng`, answer each prompt (each answer must equal the cold path's), stop it."""
+    eng.start()
+    try:
+        for p in prompts:
+            assert run(eng, p, max_tokens).token_ids == cold(p, max_tokens)
+    finally:
+        eng.stop()
+
+
 def prefilled(eng: Engine) -> int:
     return eng.store.counters["tokens_prefilled"]
 

@@ -22,7 +22,7 @@ import subprocess
 import sys
 
 import pytest
-from engine_helpers import ENGINE_KW, cold, ids, run
+from engine_helpers import ENGINE_KW, cold, ids, run, serve_cold_checked
 from test_server import MODEL, RunningServer, free_port
 
 from hybridjax import cli
@@ -42,15 +42,6 @@ def _engine(**kw) -> Engine:
     # LRU: the tests evict the oldest conversation (prompt 0's) by evicting until it is gone.
     return Engine(cfg, params, tok, store=SnapshotStore(MODEL_ID, policy="lru"), checkpoint_interval=16,
                   **{**ENGINE_KW, **kw})
-
-
-def _serve(eng: Engine, prompts) -> None:
-    eng.start()
-    try:
-        for p in prompts:
-            assert run(eng, p, NEW).token_ids == cold(p, NEW)
-    finally:
-        eng.stop()
 
 
 def _check_against_cold(directory, prompts) -> int:
@@ -81,13 +72,13 @@ def _conversation(store: SnapshotStore, prompt) -> list:
 def test_a_save_cut_short_after_the_pages_file_loads_nothing_wrong(tmp_path, caplog):
     first, scratch = tmp_path / "cache", tmp_path / "second-save"
     a = _engine()
-    _serve(a, PROMPTS[:3])
+    serve_cold_checked(a, PROMPTS[:3], NEW)
     saved = a.save_snapshots(first)
     # Between the two saves prompt 0's snapshots go (their pages are freed and reused) and new
     # prompts are served: the second save's pages file has other pages at other positions.
     gone = _conversation(a.store, PROMPTS[0])
     assert gone and a.store.evict_until(lambda: not _conversation(a.store, PROMPTS[0]), "test")
-    _serve(a, PROMPTS[3:])
+    serve_cold_checked(a, PROMPTS[3:], NEW)
     a.save_snapshots(scratch)
     # kill -9 right after the second save renamed its pages file into place:
     shutil.copyfile(scratch / f"{MODEL_ID}{PAGES_SUFFIX}", first / f"{MODEL_ID}{PAGES_SUFFIX}")
@@ -101,8 +92,8 @@ def test_a_save_cut_short_after_the_pages_file_loads_nothing_wrong(tmp_path, cap
 def test_two_servers_saving_into_one_directory_never_mix_their_pages(tmp_path, caplog):
     d = tmp_path / "shared"
     a, b = _engine(), _engine()
-    _serve(a, PROMPTS[:2])
-    _serve(b, OTHERS[:2])
+    serve_cold_checked(a, PROMPTS[:2], NEW)
+    serve_cold_checked(b, OTHERS[:2], NEW)
     na = a.save_snapshots(d)
     nb = b.save_snapshots(d)  # replaces the pages file a's snapshots name
     with caplog.at_level(logging.WARNING, logger="hybridjax.prefix_cache"):

@@ -24,7 +24,7 @@ import httpx
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from engine_helpers import ENGINE_KW, cold, ids, run
+from engine_helpers import ENGINE_KW, cold, ids, run, serve_cold_checked
 from test_server import RunningServer, free_port
 
 from hybridjax.default_model import DEFAULT_NAME, TINY_NAME, default_model, tiny_test_model
@@ -48,12 +48,7 @@ def _serve_then_crash(directory, prompts, **store_kw) -> Engine:
     """Serve `prompts` with a disk tier, let the writer catch up, and drop the engine unclosed."""
     eng = _engine(**store_kw)
     attach_disk(eng, directory)
-    eng.start()
-    try:
-        for p in prompts:
-            assert run(eng, p, NEW).token_ids == cold(p, NEW)
-    finally:
-        eng.stop()
+    serve_cold_checked(eng, prompts, NEW)
     assert eng.store.disk.flush(60)
     return eng
 

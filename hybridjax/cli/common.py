@@ -23,14 +23,18 @@ class HelpFormatter(argparse.HelpFormatter):
         return text + " (default: %(default)s)"
 
 
+def _parsed(s: str, convert, what: str):
+    """convert(s), or argparse's error in the user's terms (printed after the flag's name)."""
+    try:
+        return convert(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {s!r}") from None
+
+
 def int_at_least(n: int):
-    """An argparse type: an integer >= n, its errors in the user's terms (argparse prints them
-    after the flag's name)."""
+    """An argparse type: an integer >= n."""
     def integer(s: str) -> int:
-        try:
-            v = int(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+        v = _parsed(s, int, "an integer")
         if v < n:
             raise argparse.ArgumentTypeError(f"must be >= {n}, got {v}")
         return v
@@ -39,20 +43,14 @@ def int_at_least(n: int):
 
 
 def positive_float(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    v = _parsed(s, float, "a number")
     if not v > 0 or v == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {s}")
     return v
 
 
 def port_number(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {s!r}") from None
+    v = _parsed(s, int, "a port number")
     if not 1 <= v <= 65535:
         raise argparse.ArgumentTypeError(f"a port is 1..65535, got {v}")
     return v
