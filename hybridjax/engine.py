@@ -649,7 +649,8 @@ class Engine:
 
     def _compiling_threads(self) -> list[threading.Thread]:
         starting = self._worker if not self.served else None  # the worker compiles before it serves
-        return [t for t in (self._compiler, starting) if t is not None and t.is_alive()]
+        behind = self.compiles.threads() if self.compiles is not None else []
+        return behind + [t for t in (starting,) if t is not None and t.is_alive()]
 
     @property
     def queue_depth(self) -> int:
@@ -712,8 +713,8 @@ class Engine:
     def prompt_logprobs(self, prompt_ids: Sequence[int], sp=None, top: int = 0) -> list[tuple[float, tuple]]:
         """`generate.prompt_logprobs` on a compiled scoring program: the smallest compiled length
         bucket that holds the prompt (padding on the right changes no position's score). Before
-        one exists the compile thread does the one that fits next, and this waits for it: the
-        caller's thread never compiles (unless the engine compiles nothing ahead: no warm-up)."""
+        one exists, the one that fits compiles at once on a thread of its own (`Compiles.first`)
+        and this waits for it: the caller's thread never compiles."""
         from hybridjax.generate import prompt_logprobs
 
         fits = [s for s in self.score_shapes() if s[2] >= len(prompt_ids)]

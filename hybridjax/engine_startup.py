@@ -97,13 +97,14 @@ def yield_cpu_to_serving() -> None:
 
 class Compiles:
     """An engine's programs coming into being (`programs`: its ProgramSet): ahead (`prepare`),
-    behind (`behind`), or one moved to the front of the line (`first`). `cancel` stops them
+    behind (`behind`), or at once for a request that waits for it (`first`). `cancel` stops them
     between programs (a compile under way cannot be interrupted)."""
 
     def __init__(self, program_set: "programs.ProgramSet", cancel: threading.Event):
         self.programs, self.cancel = program_set, cancel
         self.queue: deque[tuple] = deque()  # shapes the thread behind does next, in order
-        self.thread: threading.Thread | None = None
+        self.thread: threading.Thread | None = None  # the one compiling behind
+        self.urgent: list[threading.Thread] = []  # those compiling for a waiting request (`first`)
         self.startup: dict = {}  # how `prepare` went: seconds, programs loaded / compiled
 
     def prepare(self, shapes: Sequence[tuple], progress: bool) -> float:
@@ -149,9 +150,28 @@ class Compiles:
         self.thread.start()
 
     def first(self, shape: tuple) -> None:
-        """Have `shape` now: the thread behind does it next (and this waits for it); with no
-        thread behind, the caller's thread compiles it."""
-        self.queue.appendleft(shape)  # a shape compiled twice is only 'present'
-        while not self.programs.wait_for(shape, 0.5):
-            if self.thread is None or not self.thread.is_alive():
-                self.programs.ensure(shape)
+        """Have `shape` now, for a request that waits for it: compiled at once on a thread of its
+        own at the serving priority (not behind the queue: the thread behind may be minutes from
+        it, and at nice +10 it yields the cores to this one). The caller's thread never compiles:
+        an exit waits for the compiling threads (`threads`), which XLA needs."""
+        if self.programs.has(shape):
+            return
+        failed: list[BaseException] = []
+
+        def run():
+            try:
+                self.programs.ensure(shape)  # per shape at most one compile: the thread behind may join it
+            except BaseException as e:  # noqa: BLE001  (handed to the waiting caller)
+                failed.append(e)
+
+        t = threading.Thread(target=run, name="hybridjax-compile", daemon=True)
+        self.urgent.append(t)
+        t.start()
+        t.join()
+        self.urgent.remove(t)
+        if failed:
+            raise failed[0]
+
+    def threads(self) -> list[threading.Thread]:
+        """The threads compiling now (behind, or for a waiting request)."""
+        return [t for t in (self.thread, *self.urgent) if t is not None and t.is_alive()]

@@ -104,7 +104,8 @@ def test_serves_on_the_covering_set_and_never_compiles_live(exe_dir):
         assert set(behind) == set(eng.shapes() + eng.score_shapes()) - set(eng.covering_shapes())
         for shape in (("decode", 1, 1), ("prefill", 1, 32), ("score", 1, 32)):
             assert not eng.programs.has(shape)  # so requests pad to decode x4, split into chunks of 16
-        eng.programs.ensure(("score", 1, 32))  # as the compile thread would: the scorer must exist
+        # Nothing compiles behind: the scorer the mix asks for (bucket 32) is compiled at once for
+        # it, on a thread of its own (`Compiles.first`), never on the caller's (checked below).
         before, chunks = len(_events), eng.counters["prefill_chunks"]
         p = PROMPTS[0]
         _serve_a_mix(eng, refs, long_ref)
