@@ -59,7 +59,7 @@ from hybridjax.pages import DEFAULT_PAGE_SIZE, PagePool, page_bytes, pages_for
 from hybridjax.params import Params
 from hybridjax.prefix_cache import SnapshotStore
 from hybridjax.sampling import bias_row, sampling_params
-from hybridjax.scheduler import Scheduler, Slot, SpecPolicy, bucket, buckets
+from hybridjax.scheduler import PREFILL_CALL_TOKENS, Scheduler, Slot, SpecPolicy, bucket, buckets
 from hybridjax.tokenizer import StreamDecoder, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -185,6 +185,7 @@ class DeviceLoop:
 
     # --- admission ------------------------------------------------------------------------
     def _admit(self) -> None:
+        self.sched.yield_idle_work()
         free = self.sched.free_rows()
         batch = [h for h in self.sched.take(len(free)) if not self._drop_if_cancelled(h)]
         if not batch:
@@ -523,7 +524,8 @@ class Engine:
         self.sched = Scheduler(slots, self.pool, self.pages_per_row, store=store,
                                checkpoint_interval=checkpoint_interval, max_queue=max_queue,
                                prefill_chunk=prefill_chunk, prefill_buckets=self.prefill_buckets,
-                               speculative_tokens=speculative_tokens, counters=self.counters)
+                               speculative_tokens=speculative_tokens, counters=self.counters,
+                               prefill_call_tokens=PREFILL_CALL_TOKENS.get(jax.default_backend()))
         self._thread: threading.Thread | None = None
         self._running = False
         self.ready = threading.Event()  # set once the worker serves (after any warm-up)
@@ -600,13 +602,18 @@ class Engine:
         self.sched.enqueue(handle)
         return handle
 
-    def prefill_in_background(self, prompt_ids: Sequence[int], namespace: str = "") -> RequestHandle | None:
+    def prefill_in_background(self, prompt_ids: Sequence[int], namespace: str = "",
+                              delay_s: float = 0.0) -> RequestHandle | None:
         """Have a snapshot of `prompt_ids` ready for a later request (e.g. the next chat turn as
         its template will render it): prefilled, from the longest snapshot, in idle time only (no
-        request waits), ending in a snapshot and no token. None when there is no store."""
+        request waits), ending in a snapshot and no token. None when there is no store.
+        `delay_s`: start no sooner; a request that comes first overtakes it (runs it first if it
+        continues it, else drops it: `Scheduler.enqueue`), so that a client that sends its next
+        request at once does not find the engine busy with work that request makes useless."""
         if self.store is None or not prompt_ids or len(prompt_ids) > self.max_len:
             return None
         handle = RequestHandle(GenerationRequest(list(prompt_ids), max_tokens=0, namespace=namespace))
+        handle.not_before = time.perf_counter() + delay_s
         self.sched.wish(handle)
         return handle
 
@@ -816,8 +823,10 @@ class Engine:
         wake = self.sched.wake
         while True:
             with wake:
-                while self._running and not self.sched.has_work() and self.loop.inflight is None:
-                    if not wake.wait(timeout=tick) and tick:
+                while self._running and not self.sched.work_due() and self.loop.inflight is None:
+                    due = self.sched.next_due_in()  # idle-time work waiting for its time
+                    timeout = min((t for t in (tick, due) if t is not None), default=None)
+                    if not wake.wait(timeout=timeout) and tick:
                         self.store.expire()
                 if not self._running:
                     break

@@ -105,6 +105,7 @@ class RequestHandle:
         self.finish_reason: str | None = None
         self.cancelled = threading.Event()
         self.admitted = threading.Event()
+        self.not_before = 0.0  # idle-time work: not started before this perf_counter time
         self._loop = loop
         self._queue: queue.Queue | asyncio.Queue = asyncio.Queue() if loop else queue.Queue()
 

@@ -17,8 +17,10 @@ The `Scheduler` decides, the engine's loop (hybridjax.engine) carries out on the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import threading
+import time
 from collections import Counter, deque
 from typing import Iterable, Sequence
 
@@ -29,6 +31,12 @@ from hybridjax.pages import PagePool, PoolExhausted, pages_for
 
 SHARE_MIN_TOKENS = 16  # a request waits for another's shared-prefix snapshot only past this many tokens
 
+# A prefill call's fixed cost in tokens of its width, by backend: on CPU a call costs about its
+# padded width times a per-token time plus ~10-20 ms (the embedded default, 2-core AVX2, widths
+# 16-256: benchmarks/profile_agent_turn.py), about 32 tokens' worth. Elsewhere a call's width is
+# close to free: one call per piece, as large as needed (None).
+PREFILL_CALL_TOKENS = {"cpu": 32}
+
 
 def checkpoint_positions(start: int, end: int, interval: int, extra: Iterable[int] = ()) -> list[int]:
     """Where to cut a prefill from `start` to `end`: multiples of `interval` and `extra`
@@ -37,6 +45,18 @@ def checkpoint_positions(start: int, end: int, interval: int, extra: Iterable[in
     if interval > 0:
         cuts |= set(range((start // interval + 1) * interval, end, interval))
     return sorted(cuts) + [end]
+
+
+@functools.lru_cache(maxsize=4096)
+def first_piece(n: int, widths: tuple[int, ...], call_tokens: int) -> int:
+    """The width of the first call of the cheapest split of n prompt tokens into calls of the
+    compiled `widths` (ascending), a call costing its width + `call_tokens`: a piece of 153 tokens
+    runs as 128 + 32 (2 calls, 160 padded) rather than in one call of 256."""
+    cost = [0] * (n + 1)
+    for m in range(1, n + 1):
+        cost[m] = min(w + call_tokens + cost[max(0, m - w)] for w in widths)
+    # the largest width on a cheapest path (fewest calls among equals)
+    return max(w for w in widths if w + call_tokens + cost[max(0, n - w)] == cost[n])
 
 
 def buckets(n: int, cap: int | None = None) -> list[int]:
@@ -171,11 +191,13 @@ class Scheduler:
 
     def __init__(self, slots: int, pool: PagePool, pages_per_row: int, *, store=None, checkpoint_interval: int = 0,
                  max_queue: int = 64, prefill_chunk: int = 256, prefill_buckets: Sequence[int] = (1,),
-                 speculative_tokens: int = 0, counters: Counter | None = None):
+                 speculative_tokens: int = 0, prefill_call_tokens: int | None = None,
+                 counters: Counter | None = None):
         self.slots, self.pool, self.pages_per_row = slots, pool, pages_per_row
         self.store, self.checkpoint_interval, self.max_queue = store, checkpoint_interval, max_queue
         self.prefill_chunk, self.prefill_buckets = prefill_chunk, list(prefill_buckets)
         self.speculative_tokens = speculative_tokens
+        self.prefill_call_tokens = prefill_call_tokens  # a call's fixed cost in tokens (`first_piece`), or None
         self.counters = Counter() if counters is None else counters
         self.waiting: deque[RequestHandle] = deque()
         self.background: deque[RequestHandle] = deque()  # prefill-only work for idle time
@@ -190,12 +212,29 @@ class Scheduler:
             if len(self.waiting) >= self.max_queue:
                 self.counters["rejected_queue_full"] += 1
                 raise QueueFull(f"the queue is full ({self.max_queue} waiting requests)")
+            self._supersede_background(handle.request)
             self.waiting.append(handle)
             self.counters["requests"] += 1
             self.wake.notify()
 
+    def _supersede_background(self, req: GenerationRequest) -> None:
+        """(Under `wake`.) A request overtakes the idle-time work that has not started: work whose
+        prompt the request's starts with runs now, just before it (the request needs it); other
+        work is dropped: the engine was not idle after all, and by the time it would start, the
+        snapshot it was to continue may be evicted (measured: a 6-token guess became a 3,000-token
+        prefill that held the next request for 2 s)."""
+        while self.background:
+            h = self.background.popleft()
+            if shared_prefix([h.request], req) == len(h.request.prompt_ids):
+                h.not_before = 0.0
+                self.waiting.append(h)
+            else:
+                self.counters["background_superseded"] += 1
+                h.finish("cancelled")
+
     def wish(self, handle: RequestHandle) -> None:
-        """Idle-time work; past the queue's bound the oldest wish goes (nobody waits for it)."""
+        """Idle-time work (from `handle.not_before` on); past the queue's bound the oldest wish
+        goes (nobody waits for it); a request that comes first overtakes it (`enqueue`)."""
         with self.wake:
             if len(self.background) >= self.max_queue:
                 self.background.popleft()
@@ -208,6 +247,17 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.background or self.active)
+
+    def work_due(self) -> bool:
+        """Work the loop can do now (idle-time work only once its time has come)."""
+        return bool(self.waiting or self.background_due() or self.active)
+
+    def background_due(self) -> bool:
+        return bool(self.background) and self.background[0].not_before <= time.perf_counter()
+
+    def next_due_in(self) -> float | None:
+        """Seconds until the idle-time work next in line may start (None: there is none)."""
+        return self.background[0].not_before - time.perf_counter() if self.background else None
 
     def reset(self) -> None:
         """Forget every row and page (the engine's device state starts over)."""
@@ -224,9 +274,22 @@ class Scheduler:
         idle-time wish (unless a prompt is being prefilled: background work never delays one)."""
         with self.wake:
             batch = [self.waiting.popleft() for _ in range(min(n, len(self.waiting)))]
-            if not self.waiting and len(batch) < n and self.background and not self.prefilling():
+            if not self.waiting and len(batch) < n and self.background_due() and not self.prefilling():
                 batch.append(self.background.popleft())
         return batch
+
+    def yield_idle_work(self) -> None:
+        """With every row taken and a request waiting, idle-time work still being prefilled gives
+        its row up (at a call's end) unless that request continues it."""
+        if self.free_rows() or not self.waiting:
+            return
+        first = self.waiting[0].request
+        for slot in self.rows:
+            if slot.background and slot.prefilling and shared_prefix([slot.handle.request], first) < len(slot.prompt):
+                self.counters["background_superseded"] += 1
+                slot.finished = True
+                slot.handle.finish("cancelled")
+                self.free(slot)
 
     def put_back(self, deferred: list[RequestHandle]) -> None:
         """Requests that could not start yet go back to the queue's front, in order."""
@@ -313,6 +376,10 @@ class Scheduler:
         n = max(r for r in widths if r <= len(live))  # rows this call: a whole bucket
         cap = min(self.prefill_chunk // n, widths[n][-1])
         chosen = [(row, slot, min(slot.cuts[0], slot.pos + cap) - slot.pos) for _, _, row, slot in live[:n]]
+        if self.prefill_call_tokens is not None:  # no more padding than a call's fixed cost is worth
+            fits = tuple(t for t in widths[n] if t <= cap)
+            top = max(first_piece(c, fits, self.prefill_call_tokens) for _, _, c in chosen)
+            chosen = [(row, slot, min(c, top)) for row, slot, c in chosen]
         need = max(c for _, _, c in chosen)
         width = next(t for t in widths[n] if t >= need)  # the smallest compiled width that holds it
         tokens = np.zeros((n, width), np.int32)

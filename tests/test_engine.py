@@ -376,3 +376,51 @@ def test_a_background_prefill_leaves_a_snapshot_and_no_tokens(engine):
     assert snap.exact and snap.snapshot.kind == "history"
     r = run(engine, p, 4, namespace="bg")
     assert r.cached_tokens == len(p) and r.token_ids == cold(p, 4)
+
+
+def test_a_request_drops_the_idle_time_work_it_does_not_continue(engine):
+    """Work for a next turn that went another way is not run (with a delay, it has not started),
+    nor is work of another namespace (the engine was not idle: it is dropped)."""
+    other = engine.prefill_in_background(ids("Another conversation's guess"), namespace="elsewhere", delay_s=600)
+    p = ids("A next turn going its own way")
+    bg = engine.prefill_in_background(p + enc("?"), namespace="over", delay_s=600)
+    assert not engine.idle  # the work is waiting
+    before = engine.counters["background_superseded"]
+    r = run(engine, p + enc("!"), 4, namespace="over")
+    assert collect(bg).finish_reason == collect(other).finish_reason == "cancelled"
+    assert engine.counters["background_superseded"] == before + 2
+    assert r.token_ids == cold(p + enc("!"), 4) and r.cached_tokens == 0
+
+
+def test_a_request_runs_the_idle_time_work_it_continues_first(engine):
+    """Work for the next turn that the request continues runs at once, before it, and the request
+    resumes from its snapshot (as if the work had started before the request came)."""
+    p = ids("Idle work the next turn uses")
+    bg = engine.prefill_in_background(p, namespace="cont", delay_s=600)
+    r = run(engine, p + enc(" ok"), 4, namespace="cont")
+    assert collect(bg).finish_reason == "stop" and bg.token_ids == []
+    assert r.cached_tokens == len(p) and r.token_ids == cold(p + enc(" ok"), 4)
+
+
+def test_running_idle_time_work_yields_its_slot_to_a_request(model):
+    """With every slot taken, idle-time work being prefilled gives its slot up at a call's end to a
+    waiting request that does not continue it (the engine's loop run by hand, one step at a time)."""
+    cfg, params, tok = model
+    eng = Engine(cfg, params, tok, store=SnapshotStore("yield"), **ENGINE_KW)
+    try:
+        busy = [eng.submit(GenerationRequest(ids(f"{i}: a busy request, this one"), max_tokens=2)) for i in range(SLOTS - 1)]
+        bg = eng.prefill_in_background(enc("idle " * 40), namespace="y")  # 200 tokens: several calls
+        eng.loop._admit()  # the busy requests, and the idle-time work in the last slot
+        eng.loop._prefill()
+        rows = eng.sched.rows
+        assert all(r is not None for r in rows) and any(r.handle is bg for r in rows)
+        p = ids("A request that needs the slot")
+        handle = eng.submit(GenerationRequest(p, max_tokens=4, namespace="y"))
+        eng.loop._admit()
+        assert any(r is not None and r.handle is handle for r in eng.sched.rows) and bg.finish_reason == "cancelled"
+        assert eng.counters["background_superseded"] == 1
+        eng.start()
+        assert collect(handle).token_ids == cold(p, 4)
+        assert all(collect(h).finish_reason == "length" for h in busy)
+    finally:
+        eng.stop()

@@ -11,7 +11,7 @@ import pytest
 
 from hybridjax.engine_requests import GenerationRequest, QueueFull, RequestHandle
 from hybridjax.pages import PagePool
-from hybridjax.scheduler import Scheduler, Slot, buckets, checkpoint_positions, safe_split
+from hybridjax.scheduler import Scheduler, Slot, buckets, checkpoint_positions, first_piece, safe_split
 
 PAGE = 16
 WIDTHS = {1: [16, 32, 64], 2: [16, 32]}  # rows -> compiled prefill chunk widths
@@ -77,8 +77,8 @@ def test_the_queue_is_bounded_and_keeps_its_order():
 def test_background_work_waits_for_idle_time():
     s = sched()
     wish, req = handle([1] * 40, max_tokens=0), handle([2] * 40)
-    s.wish(wish)
     s.enqueue(req)
+    s.wish(wish)
     assert s.take(1) == [req]  # requests first
     admit(s, req, 0)
     assert s.take(1) == []  # a prompt is being prefilled: background work never delays it
@@ -249,3 +249,55 @@ def test_snapshot_pages_share_full_pages_and_copy_a_partial_one_only_while_the_r
     pages, copy = s.snapshot_pages(slot, 40, True)
     assert pages[:2] == slot.pages[:2] and copy == (slot.pages[2], pages[2]) and pages[2] not in slot.pages
     assert s.snapshot_pages(slot, 40, False) == (slot.pages[:3], None)
+
+
+def test_a_prefill_piece_runs_in_the_calls_that_cost_least():
+    widths = (16, 32, 64, 128, 256)
+    assert first_piece(232, widths, 32) == 256  # one call, 24 tokens of padding
+    assert first_piece(153, widths, 32) == 128  # then 32: 160 tokens in 2 calls, not 256 in one
+    assert first_piece(25, widths, 32) == 32
+    assert first_piece(5, widths, 32) == 16
+    assert first_piece(153, widths, 10**6) == 256  # calls dear, tokens cheap: one call
+
+
+def test_with_a_call_cost_a_prefill_call_is_cut_to_the_cheapest_first_piece():
+    widths = {1: [16, 32, 64, 128, 256]}
+    s = Scheduler(1, PagePool(32, PAGE), pages_per_row=16, prefill_chunk=256, prefill_call_tokens=32)
+    slot = admit(s, handle(range(153)), 0)
+    sizes = []
+    while slot.prefilling:
+        call = s.prefill_call(widths)
+        (_, _, c), = call.chosen
+        sizes.append((c, call.tokens.shape[1]))
+        slot.advance(c)
+    assert sizes == [(128, 128), (25, 32)]  # 160 tokens in 2 calls, not 256 in one
+    s.prefill_call_tokens = None  # a backend where a call's width is close to free: one call
+    slot = admit(s, handle(range(153)), 0)
+    assert s.prefill_call(widths).tokens.shape == (1, 256)
+
+
+def test_a_request_overtakes_idle_time_work_it_runs_what_it_continues_and_drops_the_rest():
+    s = sched()
+    continued, other = handle([1, 2, 3], max_tokens=0), handle([9, 9], max_tokens=0)
+    continued.not_before = other.not_before = float("inf")  # not due: the loop would not start them
+    s.wish(continued)
+    s.wish(other)
+    assert s.has_work() and not s.work_due()
+    req = handle([1, 2, 3, 4])
+    s.enqueue(req)
+    assert list(s.waiting) == [continued, req] and continued.not_before == 0.0
+    assert other.finish_reason == "cancelled" and s.counters["background_superseded"] == 1 and not s.background
+
+
+def test_idle_time_work_being_prefilled_yields_its_row_to_a_waiting_request():
+    s = sched(slots=2)
+    busy = admit(s, handle(range(10)), 0)
+    wish = admit(s, handle(range(100, 150), max_tokens=0), 1)
+    wish.advance(16)
+    s.enqueue(handle(range(100, 160)))  # continues the idle-time work: it keeps its row
+    s.yield_idle_work()
+    assert s.rows[1] is wish
+    s.waiting.clear()
+    s.enqueue(handle(range(300, 310)))  # does not continue it: the row goes
+    s.yield_idle_work()
+    assert s.rows == [busy, None] and wish.handle.finish_reason == "cancelled"

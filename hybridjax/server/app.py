@@ -57,6 +57,10 @@ log = logging.getLogger("hybridjax.server")
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 DEFAULT_BODY_TIMEOUT_S = 60.0
+# The idle-time prefill of a chat's next turn starts this long after the answer: a client that
+# sends its next request sooner (an agent whose tool returned at once) finds the engine free; its
+# request then runs that prefill itself (hybridjax.engine.Engine.prefill_in_background).
+NEXT_TURN_DELAY_S = 0.25
 # Template variables a client may not set through chat_template_kwargs (the server sets them).
 _RESERVED_TEMPLATE_KWARGS = {"messages", "add_generation_prompt", "tools", "documents",
                              "bos_token", "eos_token", "pad_token", "unk_token"}
@@ -436,7 +440,7 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
         def work():
             prefix = next_turn_prefix(tok, messages, answer, **kwargs)
             if prefix and len(prefix) < engine.max_len and needs_prefill(prefix, list(prompt_ids) + h.token_ids):
-                engine.prefill_in_background(prefix, namespace)
+                engine.prefill_in_background(prefix, namespace, delay_s=NEXT_TURN_DELAY_S)
 
         await asyncio.to_thread(work)
 
