@@ -1,5 +1,5 @@
-"""Batch-1 decode on CPU against its memory-bandwidth bound: float32 and bfloat16 weights, with
-and without the CPU kernel (hybridjax.cpu_kernels), optionally beside llama.cpp's tg128.
+"""Batch-1 decode on CPU against its memory-bandwidth bound: float32, bfloat16 and int8 weights,
+with and without the CPU kernel (hybridjax.cpu_kernels), optionally beside llama.cpp's tg128.
 
     python benchmarks/bench_cpu_decode.py [--quick] [--model-dir DIR] [--repeats 5]
         [--prompt 128] [--new-tokens 128] [--modes f32-xla,f32-kernel,bf16-kernel,bf16-packed]
@@ -21,6 +21,10 @@ vocab 32000, untied head, 228 M params; built once into --model-dir if absent). 
              bf16-packed  bfloat16 weights, the projections also kept as packed panels
                           (cpu_kernels.pack_params: twice the weight memory), the kernel
                           streaming the panels
+             int8-kernel  weight-only int8 projections (cpu_kernels.quantize_params of the
+                          float32 weights: q int8 + a float32 scale per output column), the
+                          kernel's int8 path; embeddings and norms float32
+             int8-xla     the same weights, XLA's dots over q widened (opt in with --modes)
              bf16-xla     bfloat16 weights, XLA's dots (very slow: opt in with --modes)
              *-kernel-1t  the kernel on one thread per call (what sharing columns buys)
            Modes alternate round by round, so load drift hits all alike; medians are shown.
@@ -28,11 +32,13 @@ vocab 32000, untied head, 228 M params; built once into --model-dir if absent). 
            interleaved 4 steps at a time for R rounds, the bound's matvec timed in the same
            rounds; ms/step at the 10th percentile and the median, each against the bound taken
            at the same percentile.
-  accuracy bfloat16 against float32 (both with the kernel), over --agree-prompts prompts (default
-           4, random tokens, lengths P, P+1, ...), teacher-forced on float32's greedy tokens:
-           max |logit diff| / max |logit|, and how often the argmax differs (a bf16 near-tie
-           flip), with the float32 top-1 / top-2 margins where it does; then free-running
-           greedy: leading tokens equal, per prompt.
+  accuracy bfloat16 and int8 against float32 (all with the kernel; each with f32-kernel among the
+           modes), over --agree-prompts prompts (default 4, random tokens, lengths P, P+1, ...),
+           teacher-forced on float32's greedy tokens: max |logit diff| / max |logit|, the mean
+           KL(float32 || other) of the next-token distributions (nats: the figure llama.cpp's
+           `llama-perplexity --kl-divergence` prints for its quantised models), and how often the
+           argmax differs (a near-tie flip), with the float32 top-1 / top-2 margins where it does;
+           then free-running greedy: leading tokens equal, per prompt.
   llama    with --llama-bench and --gguf (repeatable; benchmarks/make_gguf.py makes them):
            `llama-bench -p 0 -n 128 -d 128 -t 2 -r 1` once per GGUF in every decode round, after
            our modes, so load drift hits both alike; the median over rounds (and their range).
@@ -69,7 +75,16 @@ MODES = {  # name -> (param dtype, use the kernel, kernel threads per call: 0 = 
     # bfloat16 projections also kept as packed panels for decode (cpu_kernels.pack_params)
     "bf16-packed": ("bfloat16", True, 0),
     "bf16-packed-1t": ("bfloat16", True, 1),
+    # float32 weights quantised to weight-only int8 (cpu_kernels.quantize_params)
+    "int8-kernel": ("float32", True, 0),
+    "int8-xla": ("float32", False, 0),
+    "int8-kernel-1t": ("float32", True, 1),
 }
+
+
+def weights_of(name: str) -> str:
+    """Which weights a mode reads: its dtype, or "int8" (bytes per token differ)."""
+    return "int8" if name.startswith("int8") else MODES[name][0]
 
 
 def loadavg() -> str:
@@ -254,9 +269,9 @@ def step_times(modes: dict, prompt, rounds: int, steps: int, bound_size: int) ->
     return out
 
 
-def accuracy_over_prompts(f32: Mode, bf16: Mode, prompts, n: int) -> dict:
+def accuracy_over_prompts(f32: Mode, other: Mode, prompts, n: int) -> dict:
     """`accuracy` for each prompt, pooled: flips over all teacher-forced steps, the worst error."""
-    per = [accuracy(f32, bf16, p, n) for p in prompts]
+    per = [accuracy(f32, other, p, n) for p in prompts]
     margins = [m for r in per for m in r["flip_margins"]]
     return {
         "prompts": len(per), "steps": sum(r["steps"] for r in per), "flips": sum(r["flips"] for r in per),
@@ -264,15 +279,19 @@ def accuracy_over_prompts(f32: Mode, bf16: Mode, prompts, n: int) -> dict:
         "median_rel_err": float(np.median([r["median_rel_err"] for r in per])),
         "max_abs_err": max(r["max_abs_err"] for r in per), "logit_range": max(r["logit_range"] for r in per),
         "median_margin": float(np.median([r["median_margin"] for r in per])),
+        "mean_kl": float(np.mean([r["mean_kl"] for r in per])), "max_kl": max(r["max_kl"] for r in per),
         "free_running_equal_prefix": [r["free_running_equal_prefix"] for r in per], "n": n, "per_prompt": per,
     }
 
 
-def accuracy(f32: Mode, bf16: Mode, prompt, n: int) -> dict:
+def accuracy(f32: Mode, other: Mode, prompt, n: int) -> dict:
     ref_tokens = f32.generate(prompt, n).token_lists()[0]
-    bf_tokens = bf16.generate(prompt, n).token_lists()[0]
+    bf_tokens = other.generate(prompt, n).token_lists()[0]
     lf = f32.forced_logits(prompt, ref_tokens[:-1])
-    lb = bf16.forced_logits(prompt, ref_tokens[:-1])
+    lb = other.forced_logits(prompt, ref_tokens[:-1])
+    lpf = lf - np.logaddexp.reduce(lf, axis=-1, keepdims=True)  # log-softmax, float64 below
+    lpb = lb - np.logaddexp.reduce(lb, axis=-1, keepdims=True)
+    kl = (np.exp(lpf.astype(np.float64)) * (lpf.astype(np.float64) - lpb)).sum(-1)
     top2 = np.sort(lf, axis=-1)[:, -2:]
     margin = top2[:, 1] - top2[:, 0]
     flips = np.nonzero(lf.argmax(-1) != lb.argmax(-1))[0]
@@ -283,6 +302,7 @@ def accuracy(f32: Mode, bf16: Mode, prompt, n: int) -> dict:
         "max_abs_err": float(np.abs(lf - lb).max()), "logit_range": float(np.abs(lf).max()),
         "steps": len(lf), "flips": len(flips), "flip_margins": margin[flips].tolist(),
         "median_margin": float(np.median(margin)), "free_running_equal_prefix": lead, "n": n,
+        "mean_kl": float(kl.mean()), "max_kl": float(kl.max()),
     }
 
 
@@ -347,7 +367,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--modes", default="f32-xla,f32-kernel,bf16-kernel,bf16-packed")
-    ap.add_argument("--agree-prompts", type=int, default=4, help="prompts for the bf16 vs f32 token agreement")
+    ap.add_argument("--agree-prompts", type=int, default=4, help="prompts for the bf16 / int8 vs f32 agreement")
     ap.add_argument("--step-rounds", type=int, default=0,
                     help="also time single decode steps, modes interleaved, this many rounds of 4 steps each")
     ap.add_argument("--llama-bench", help="path of llama.cpp's llama-bench")
@@ -393,7 +413,10 @@ def main(argv=None) -> int:
         if dtype not in loaded:
             loaded[dtype] = hybridjax.load_hf(model_dir, dtype=dtype)
             jax.block_until_ready(loaded[dtype][1])
-        cfg, params = loaded[dtype]
+        if weights_of(name) == "int8" and "int8" not in loaded:
+            c, p = loaded[dtype]
+            loaded["int8"] = (c, jax.block_until_ready(cpu_kernels.quantize_params(p)))
+        cfg, params = loaded[weights_of(name)]
         if name.endswith("-packed") or name.endswith("-packed-1t"):
             params = jax.block_until_ready(cpu_kernels.pack_params(params))
         modes[name] = Mode(name, params, cfg, use_kernel, threads)
@@ -401,11 +424,12 @@ def main(argv=None) -> int:
     print(f"decode, {len(modes)} modes x {a.repeats} rounds ...", file=sys.stderr, flush=True)
     dec, llama = run_decode(a, modes, prompt)
     steps = step_times(modes, prompt, a.step_rounds, 4, 4096 if a.quick else 8192) if a.step_rounds else None
-    acc = None
-    if "f32-kernel" in modes and "bf16-kernel" in modes:
-        prompts = [prompt] + [bench_generate.prompt_tokens(a.prompt + i).tolist() for i in range(1, a.agree_prompts)]
-        print(f"bf16 vs f32 agreement over {len(prompts)} prompts ...", file=sys.stderr, flush=True)
-        acc = accuracy_over_prompts(modes["f32-kernel"], modes["bf16-kernel"], prompts, a.new_tokens)
+    acc = {}
+    prompts = [prompt] + [bench_generate.prompt_tokens(a.prompt + i).tolist() for i in range(1, a.agree_prompts)]
+    for other in ("bf16-kernel", "int8-kernel"):
+        if "f32-kernel" in modes and other in modes:
+            print(f"{other} vs f32-kernel agreement over {len(prompts)} prompts ...", file=sys.stderr, flush=True)
+            acc[other] = accuracy_over_prompts(modes["f32-kernel"], modes[other], prompts, a.new_tokens)
     load1 = loadavg()
 
     cfg = next(iter(loaded.values()))[0]
@@ -419,14 +443,15 @@ def main(argv=None) -> int:
           f"load average {load0} -> {load1}\n")
     print("one-row matvec, " + ", ".join(f"{k}: {v:.1f} GB/s" for k, v in bw.items()))
     print(f"bytes read per token: float32 {f32_bytes / 1e6:.1f} MB"
-          + (f", bfloat16 {wbytes['bfloat16'] / 1e6:.1f} MB" if "bfloat16" in wbytes else ""))
+          + (f", bfloat16 {wbytes['bfloat16'] / 1e6:.1f} MB" if "bfloat16" in wbytes else "")
+          + (f", int8 {wbytes['int8'] / 1e6:.1f} MB" if "int8" in wbytes else ""))
     print(f"bound (float32 bytes / XLA float32 matvec bandwidth): {bound_tok_s:.1f} tok/s "
           f"({1e3 / bound_tok_s:.2f} ms/token)\n")
     print("| mode | tok/s | ms/token | GB/s read | x bound (f32 tok/s) | x f32-xla |")
     print("|---|---:|---:|---:|---:|---:|")
     base = dec.get("f32-xla", {}).get("tok_s")
     for name, d in dec.items():
-        wb = wbytes[MODES[name][0]]
+        wb = wbytes[weights_of(name)]
         rel = f"{d['tok_s'] / base:.2f}x" if base else "-"
         print(f"| {name} | {d['tok_s']:.1f} | {1e3 * d['s_per_token']:.2f} | {wb * d['tok_s'] / 1e9:.1f} | "
               f"{d['tok_s'] / bound_tok_s:.2f} | {rel} |")
@@ -438,14 +463,15 @@ def main(argv=None) -> int:
         print_round_ratios(dec, llama, a.new_tokens)
     if steps:
         print_step_table(steps, wbytes, f32_bytes)
-    if acc:
-        print(f"\nbfloat16 vs float32 logits (kernel, teacher-forced on float32's greedy tokens, {acc['prompts']} "
-              f"prompts, {acc['steps']} steps): max |diff| {acc['max_abs_err']:.3f} of max |logit| "
-              f"{acc['logit_range']:.2f} (rel {acc['max_rel_err']:.4f}, median rel {acc['median_rel_err']:.4f}); "
-              f"argmax differs at {acc['flips']}/{acc['steps']} steps, float32 top-1/top-2 margins there: "
-              f"{', '.join(f'{m:.3f}' for m in acc['flip_margins']) or '-'} (median margin {acc['median_margin']:.3f}); "
+    for other, acc_ in acc.items():
+        print(f"\n{other} vs f32-kernel logits (teacher-forced on float32's greedy tokens, {acc_['prompts']} "
+              f"prompts, {acc_['steps']} steps): max |diff| {acc_['max_abs_err']:.3f} of max |logit| "
+              f"{acc_['logit_range']:.2f} (rel {acc_['max_rel_err']:.4f}, median rel {acc_['median_rel_err']:.4f}); "
+              f"KL(f32 || {other}) mean {acc_['mean_kl']:.2e} max {acc_['max_kl']:.2e} nats; "
+              f"argmax differs at {acc_['flips']}/{acc_['steps']} steps, float32 top-1/top-2 margins there: "
+              f"{', '.join(f'{m:.3f}' for m in acc_['flip_margins']) or '-'} (median margin {acc_['median_margin']:.3f}); "
               f"free-running greedy, leading tokens equal per prompt: "
-              f"{', '.join(str(x) for x in acc['free_running_equal_prefix'])} of {acc['n']}")
+              f"{', '.join(str(x) for x in acc_['free_running_equal_prefix'])} of {acc_['n']}")
     if max(os.getloadavg()) > (os.cpu_count() or 1):
         print("WARNING: the load average exceeded the core count: other processes shared the CPU; "
               "re-run on an idle machine before quoting absolute figures.")

@@ -12,7 +12,7 @@ bfloat16 weight packed once into panels, `cpu_kernels.pack_bf16` / `matmul_packe
 int8 with per-column scales, float32 x), `read` (no matmul: a plain sequential read of the float32
 copies, on as many threads as the kernel may use: the bandwidth the kernel should reach). With `--old-so` an
 older build of the kernel (loaded beside the current one under another FFI target name) adds
-`old-bf16` and `old-f32`, so a change is measured against its predecessor in the same run.
+`old-bf16`, `old-f32` and `old-int8`, so a change is measured against its predecessor in the same run.
 
 Each timed call is one jitted chain over several copies of the weight (at least ~200 MB of
 float32 in all, more than the L3 holds), each call's input depending on the previous output,
@@ -63,9 +63,10 @@ def main(argv=None) -> int:
         jax.ffi.register_ffi_target("hybridjax_cpu_matmul_old", jax.ffi.pycapsule(old.HjMatmul), platform="cpu")
 
         def old_call(x, w):  # the attributes every build so far takes
-            out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[-1],), jnp.float32)
+            args = (x, w) if not isinstance(w, tuple) else (x, w[0], w[1][None])  # int8: (q, scale [1, N])
+            out = jax.ShapeDtypeStruct(x.shape[:-1] + (args[1].shape[-1],), jnp.float32)
             call = jax.ffi.ffi_call("hybridjax_cpu_matmul_old", out, vmap_method="expand_dims")
-            return call(x, w, isa=np.int64(-1), max_threads=np.int64(a.threads), tile_cols=np.int64(0),
+            return call(*args, isa=np.int64(-1), max_threads=np.int64(a.threads), tile_cols=np.int64(0),
                         k_slices=np.int64(0), transposed=False)
 
         calls["old"] = old_call
@@ -75,7 +76,8 @@ def main(argv=None) -> int:
              "bf16-xf32": ("new", jnp.bfloat16, jnp.float32), "bf16-packed": ("packed", "packed", jnp.bfloat16),
              "int8": ("int8", "int8", jnp.float32), "read": ("read", jnp.float32, None)}
     if a.old_so:
-        modes.update({"old-f32": ("old", jnp.float32, jnp.float32), "old-bf16": ("old", jnp.bfloat16, jnp.bfloat16)})
+        modes.update({"old-f32": ("old", jnp.float32, jnp.float32), "old-bf16": ("old", jnp.bfloat16, jnp.bfloat16),
+                      "old-int8": ("old", "int8", jnp.float32)})
     if a.modes:
         modes = {m: modes[m] for m in a.modes.split(",")}
 

@@ -41,38 +41,60 @@ from hybridjax.text import Model, load_model
 __version__ = "0.1.0"
 
 
-def load_hf(model_dir, dtype="float32", mesh=None, progress=None, pack_for_decode=False):
+def load_hf(model_dir, dtype="float32", mesh=None, progress=None, pack_for_decode=False, quantize=None):
     """(Config, Params) from a Hugging Face model directory or hub id ORG/NAME[@REVISION] (FP8
     checkpoints dequantised; optional parts kept in params.extra); see `hybridjax.conversion.hf.load_hf`.
     `mesh` (from `make_mesh`): each device receives its shard as the tensors are read.
-    `progress`: as for `load`. `pack_for_decode`: see `load`."""
+    `progress`: as for `load`. `pack_for_decode`, `quantize`: see `load`."""
+    _check_layout(mesh, pack_for_decode, quantize)
     # The facade reaches down into conversion lazily; nothing below it imports conversion.
     from hybridjax.conversion.hf import load_hf as _load_hf
     from hybridjax.conversion.progress import load_progress
 
     cfg, params = _load_hf(model_dir, dtype=dtype, mesh=mesh, progress=load_progress(progress))
-    return cfg, _pack(params, mesh, pack_for_decode)
+    return cfg, _pack(params, mesh, pack_for_decode, quantize)
 
 
-def load(path, dtype=None, mesh=None, progress=None, pack_for_decode=False):
+def load(path, dtype=None, mesh=None, progress=None, pack_for_decode=False, quantize=None):
     """(Config, Params) from an HF model directory, a hub id ORG/NAME[@REVISION] or a converted
     hybridjax checkpoint, placed on
     `mesh` shard by shard when given. `progress`: a bar on stderr (tensors, bytes) when True, or
     when None and stderr is a terminal; False: none (see `hybridjax.conversion.load`).
     `pack_for_decode`: bfloat16 projections are also kept as packed panels that the CPU decode
     kernel streams faster (`cpu_kernels.pack_params`; twice the weight memory; single device,
-    CPUs with AVX2 or AVX512_BF16 only (`cpu_kernels.PACKED_ISAS`), else a no-op)."""
+    CPUs with AVX2 or AVX512_BF16 only (`cpu_kernels.PACKED_ISAS`), else a no-op).
+    `quantize="int8"`: the projections become weight-only int8 with a scale per output column
+    (`cpu_kernels.quantize_params`, from the weights in `dtype`); embeddings, norms and the MoE
+    router stay in `dtype`. Decode streams a quarter of float32's weight bytes; single device,
+    and not together with `pack_for_decode` (ValueError)."""
+    _check_layout(mesh, pack_for_decode, quantize)
     from hybridjax.conversion import load as _load
 
     cfg, params = _load(path, dtype=dtype, mesh=mesh, progress=progress)
-    return cfg, _pack(params, mesh, pack_for_decode)
+    return cfg, _pack(params, mesh, pack_for_decode, quantize)
 
 
-def _pack(params, mesh, pack_for_decode):
-    if not pack_for_decode or mesh is not None:  # the kernel runs on one device only
-        return params
+def _check_layout(mesh, pack_for_decode, quantize):
+    """Refuse, before reading weights, a decode layout that cannot apply."""
+    if quantize is None:
+        return
     from hybridjax import cpu_kernels
 
+    if quantize not in cpu_kernels.QUANTIZE_MODES:
+        raise ValueError(f"quantize must be one of {', '.join(cpu_kernels.QUANTIZE_MODES)} or None, got {quantize!r}")
+    if mesh is not None:
+        raise ValueError(f"quantize={quantize!r} runs on one device only, not with a mesh")
+    if pack_for_decode:
+        raise ValueError(f"quantize={quantize!r} and pack_for_decode are two decode layouts: pick one")
+
+
+def _pack(params, mesh, pack_for_decode, quantize=None):
+    from hybridjax import cpu_kernels
+
+    if quantize is not None:
+        return cpu_kernels.quantize_params(params, quantize)
+    if not pack_for_decode or mesh is not None:  # the kernel runs on one device only
+        return params
     return cpu_kernels.pack_params(params)
 
 

@@ -29,7 +29,9 @@ def dense(x: Array, w: Array, dtype=None, transposed: bool = False) -> Array:
 
     transposed: w is [n_out, n_in] (a tied embedding as the head), read in place.
     w may be a `cpu_kernels.PackedWeight` (`cpu_kernels.pack_params`): decode rows then stream
-    its packed bfloat16 panels, everything else reads its plain weight.
+    its packed bfloat16 panels, everything else reads its plain weight; or a
+    `cpu_kernels.Int8Weight` (`cpu_kernels.quantize_params`): decode rows stream its int8 weight,
+    more rows widen it to float32 for XLA's matmul.
 
     A few rows (decode) on CPU go to the streaming kernel of `hybridjax.cpu_kernels` when it is
     built: XLA:CPU's one-row dots leave memory bandwidth unused, and its bfloat16 ones run ~20x
@@ -40,7 +42,9 @@ def dense(x: Array, w: Array, dtype=None, transposed: bool = False) -> Array:
     rows = x.reshape(-1, n_in)
     xla = functools.partial(_xla_dot, transposed=transposed)
     packed = isinstance(w, cpu_kernels.PackedWeight)  # bf16 kept twice: [K, N] and decode's panels
-    if (cpu_kernels.supports(rows.shape[0], x.dtype, w.dtype) and sharding.current_mesh() is None
+    if isinstance(w, cpu_kernels.Int8Weight):
+        y = _int8_dense(rows, w, transposed)
+    elif (cpu_kernels.supports(rows.shape[0], x.dtype, w.dtype) and sharding.current_mesh() is None
             and cpu_kernels.enabled()):
         if packed and not transposed:
             n = w.shape[1]
@@ -58,6 +62,22 @@ def dense(x: Array, w: Array, dtype=None, transposed: bool = False) -> Array:
     else:
         y = xla(rows, cpu_kernels.plain_weight(w))
     return y.astype(dtype or x.dtype).reshape(*lead, y.shape[-1])
+
+
+def _int8_dense(rows: Array, w, transposed: bool) -> Array:
+    """rows @ (q * scale) -> float32 [R, n_out] for an `Int8Weight`: decode rows stream q through
+    the kernel's int8 path; otherwise XLA's float32 matmul over q widened, then the per-column
+    scale (the kernel's order too: the scale multiplies the finished sum)."""
+    if transposed:
+        raise ValueError("dense: an Int8Weight is [n_in, n_out]; a transposed (tied) head is not quantised")
+
+    def xla(r, q, scale):
+        return jnp.dot(r.astype(jnp.float32), q.astype(jnp.float32)) * scale.astype(jnp.float32)
+
+    if (cpu_kernels.supports(rows.shape[0], rows.dtype, jnp.float32) and sharding.current_mesh() is None
+            and cpu_kernels.enabled()):
+        return jax.lax.platform_dependent(rows, w.q, w.scale, cpu=cpu_kernels.matmul, default=xla)
+    return xla(rows, w.q, w.scale)
 
 
 def _widened_dot(rows: Array, w: Array, transposed: bool = False) -> Array:

@@ -92,6 +92,10 @@ PACK_HELP = ("with --dtype bfloat16 on one CPU device with AVX2 or AVX512_BF16: 
              "panels that decode streams faster (about 2x float32's decode instead of 1.6x), at twice the "
              "bf16 weight memory")
 
+QUANTIZE_HELP = ("int8: weight-only int8 projections, one scale per output column (decode on CPU reads a "
+                 "quarter of float32's weight bytes; embeddings, norms and the MoE router stay in --dtype); "
+                 "one device only")
+
 
 def use_compile_cache(directory: str | None, enabled: bool = True) -> None:
     """Keep compiled programs on disk between runs (`hybridjax.compile_cache`)."""
@@ -129,14 +133,20 @@ def add_mesh_args(p) -> None:
     p.add_argument("--process-id", type=int, default=None, help="this process's index, 0..N-1 (with --coordinator)")
 
 
-def load_model(model: str | None, dtype: str | None = None, mesh: str | None = None, pack: bool = False):
+def load_model(model: str | None, dtype: str | None = None, mesh: str | None = None, pack: bool = False,
+               quantize: str | None = None):
     """(cfg, params, tokenizer or None, name) for a model directory, or the embedded default;
     with `mesh` (a spec for `hybridjax.make_mesh`) the params are placed on it as they are read.
-    `pack`: bfloat16 projections also kept as the CPU decode kernel's packed panels (PACK_HELP)."""
+    `pack`: bfloat16 projections also kept as the CPU decode kernel's packed panels (PACK_HELP).
+    `quantize`: "int8" for weight-only int8 projections (QUANTIZE_HELP)."""
     import hybridjax
 
     if pack and (dtype != "bfloat16" or mesh):
         raise CLIError("--pack-for-decode needs --dtype bfloat16 and no --mesh")
+    if quantize and mesh:
+        raise CLIError(f"--quantize {quantize} runs on one device: drop --mesh")
+    if quantize and pack:
+        raise CLIError(f"--quantize {quantize} and --pack-for-decode are two decode layouts: pick one")
     if model is None:
         from hybridjax import cpu_kernels
         from hybridjax.default_model import DEFAULT_NAME, default_model
@@ -144,6 +154,8 @@ def load_model(model: str | None, dtype: str | None = None, mesh: str | None = N
         cfg, params, tok = default_model(dtype or "float32")
         if mesh:
             params = hybridjax.shard_params(params, cfg, hybridjax.make_mesh(mesh, cfg))
+        if quantize:
+            params = cpu_kernels.quantize_params(params, quantize)
         return cfg, cpu_kernels.pack_params(params) if pack else params, tok, DEFAULT_NAME
     from hybridjax.tokenizer import Tokenizer
 
@@ -152,7 +164,7 @@ def load_model(model: str | None, dtype: str | None = None, mesh: str | None = N
     path = resolve_model(model)  # a local directory, else a hub id ORG/NAME[@REVISION]
     placed = hybridjax.make_mesh(mesh, hybridjax.load_config(path)) if mesh else None
     # float32 unless asked: on CPU it decodes faster than bfloat16 (see DTYPE_HELP).
-    cfg, params = hybridjax.load(path, dtype=dtype or "float32", mesh=placed, pack_for_decode=pack)
+    cfg, params = hybridjax.load(path, dtype=dtype or "float32", mesh=placed, pack_for_decode=pack, quantize=quantize)
     tok = Tokenizer.from_dir(path, cfg.eos_token_id) if (path / "tokenizer.json").is_file() else None
     return cfg, params, tok, str(model) if hybridjax.is_hub_id(model) else path.name
 

@@ -7,6 +7,7 @@
                                         # (routed experts, read in place; index outside [0, E): zeros)
     p = pack_bf16(w)                    # w [K, N] -> bfloat16 panels [ceil(N/32), ceil(K/2) * 64], once
     y = matmul_packed(x, p, n=N)        # = matmul(x, w.astype(bfloat16)), streamed from the panels
+    params = quantize_params(params)    # projections as Int8Weight(q, scale): weight-only int8 decode
                                   # y [..., R, N] float32, accumulated in float32
 
 A decode step reads every weight once per token, so it is bound by memory bandwidth, and
@@ -400,8 +401,50 @@ class PackedWeight:
         return f"PackedWeight(shape={self.shape}, dtype={self.dtype})"
 
 
+@jax.tree_util.register_pytree_node_class
+class Int8Weight:
+    """A weight [K, N] kept as int8 `q` [K, N] with one float32 `scale` [N] per output column
+    (`quantize_int8`): it stands for `q * scale`. `hybridjax.ops.dense` takes it in place of w:
+    decode rows stream q through the kernel's int8 path (a quarter of float32's bytes), more rows
+    run XLA's float32 matmul on q widened, the scale applied to the product. Weight-only: the
+    activations stay in the model's dtype."""
+
+    def __init__(self, q, scale):
+        self.q, self.scale = q, scale
+
+    @property
+    def shape(self):
+        return self.q.shape
+
+    @property
+    def dtype(self):
+        return self.q.dtype
+
+    @property
+    def ndim(self):
+        return self.q.ndim
+
+    def tree_flatten(self):
+        return (self.q, self.scale), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
+
+    def __repr__(self):
+        return f"Int8Weight(shape={self.shape})"
+
+
+def dequantize_int8(q, scale):
+    """q [K, N] int8, scale [N] -> float32 [K, N] = q * scale (the weight an Int8Weight stands for)."""
+    return q.astype(jnp.float32) * jnp.asarray(scale, jnp.float32)
+
+
 def plain_weight(w):
-    """w's plain [K, N] array, whether it is one or a `PackedWeight`."""
+    """w's plain [K, N] array, whether it is one, a `PackedWeight`, or an `Int8Weight`
+    (dequantised to float32)."""
+    if isinstance(w, Int8Weight):
+        return dequantize_int8(w.q, w.scale)
     return w.w if isinstance(w, PackedWeight) else w
 
 
@@ -446,3 +489,31 @@ def quantize_int8(w):
     scale = jnp.where(amax > 0, amax / 127.0, 1.0)
     q = jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8)
     return q, scale
+
+
+# What `quantize_params` quantises: the projections `dense` reads, but not the MoE router (a
+# softmax over experts whose ranking a small error can flip; it is tiny) and not the embedding.
+INT8_WEIGHTS = DENSE_WEIGHTS - {"router"}
+QUANTIZE_MODES = ("int8",)
+
+_quantize_int8_jit = jax.jit(quantize_int8)  # one compile per weight shape
+
+
+def _is_weight_leaf(x) -> bool:
+    return isinstance(x, (PackedWeight, Int8Weight))
+
+
+def quantize_params(params, mode: str = "int8"):
+    """params with every 2-d projection in INT8_WEIGHTS as an `Int8Weight` (weight-only int8,
+    a scale per output column, computed from the weight as loaded). Embeddings, norms, gates'
+    biases, the router and MoE experts stay as they are. Single device (the kernel's)."""
+    if mode not in QUANTIZE_MODES:
+        raise ValueError(f"unknown quantisation {mode!r}; valid: {', '.join(QUANTIZE_MODES)}")
+
+    def quantize(path, leaf):
+        name = getattr(path[-1], "name", None) if path else None
+        if name in INT8_WEIGHTS and not _is_weight_leaf(leaf) and getattr(leaf, "ndim", 0) == 2:
+            return Int8Weight(*_quantize_int8_jit(leaf))
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(quantize, params, is_leaf=_is_weight_leaf)
