@@ -100,13 +100,14 @@ def ask(client: httpx.Client, messages: list[dict], salt: str) -> dict:
     body = {"model": DEFAULT_NAME, "messages": messages, "tools": TOOLS, "max_tokens": 8, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}, "cache_salt": salt}
     t0 = time.perf_counter()
-    ttft, usage, answer = None, None, []
+    ttft, usage, answer, first_chunk = None, None, [], None
     with client.stream("POST", "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[6:])
+            first_chunk = first_chunk or time.perf_counter()
             for c in chunk.get("choices", []):
                 d = c.get("delta", {})
                 answer.append([d.get("content"), [{k: v for k, v in tc.items() if k != "id"}  # ids are random
@@ -116,7 +117,8 @@ def ask(client: httpx.Client, messages: list[dict], salt: str) -> dict:
             usage = chunk.get("usage") or usage
     return {"ttft": ttft, "total": time.perf_counter() - t0, "prompt": usage["prompt_tokens"], "answer": answer,
             "cached": usage["prompt_tokens_details"]["cached_tokens"],
-            "report": usage["prompt_tokens_details"].get("prefix_cache")}
+            "report": usage["prompt_tokens_details"].get("prefix_cache"),
+            "t0": t0, "first_chunk": first_chunk}  # perf_counter times (profile_agent_turn.py)
 
 
 def replay(url: str, requests: list[list[dict]], salt: str | None, gap: float, engine) -> list[dict]:

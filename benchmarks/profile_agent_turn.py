@@ -33,7 +33,8 @@ import httpx
 import jax
 import uvicorn
 
-from bench_agent import TOOLS, reasoning_dropping_template, trace
+import bench_agent
+from bench_agent import reasoning_dropping_template, trace
 from hybridjax.default_model import DEFAULT_NAME, default_model
 from hybridjax.server import ServerConfig, create_app
 from hybridjax.server.app import build_engine
@@ -98,25 +99,10 @@ def instrument(engine, tok):
     eng_mod.RequestHandle._emit = _emit
 
 
-def ask(client, messages, salt):
-    body = {"model": DEFAULT_NAME, "messages": messages, "tools": TOOLS, "max_tokens": 8, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}, "cache_salt": salt}
-    t0 = time.perf_counter()
-    ttft, usage, first_chunk = None, None, None
-    with client.stream("POST", "/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            first_chunk = first_chunk or time.perf_counter()
-            for c in chunk.get("choices", []):
-                d = c.get("delta", {})
-                if ttft is None and (d.get("content") or d.get("tool_calls") or c.get("finish_reason")):
-                    ttft = time.perf_counter()
-            usage = chunk.get("usage") or usage
-    return dict(t0=t0, ttft=ttft, end=time.perf_counter(), first_chunk=first_chunk, prompt=usage["prompt_tokens"],
-                cached=usage["prompt_tokens_details"]["cached_tokens"])
+def ask(client, messages, salt) -> dict:
+    """bench_agent's request, its times as perf_counter instants (ttft: when the first token came)."""
+    out = bench_agent.ask(client, messages, salt)
+    return dict(out, ttft=out["t0"] + out["ttft"], end=out["t0"] + out["total"])
 
 
 def breakdown(turn, prev_prompt, ev):

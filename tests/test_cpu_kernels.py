@@ -28,6 +28,8 @@ import hybridjax
 from hybridjax import cpu_kernels, ops
 from hybridjax.generate import generate
 
+from decode_helpers import decode_logits
+
 U32 = 2.0**-24  # float32 unit roundoff
 SPLIT = 2.0**-16  # how well bf16 hi + lo represents a float32 x
 
@@ -328,20 +330,6 @@ def test_a_missing_extension_warns_once_and_dense_uses_xla(monkeypatch, caplog):
 
 
 # --- the model: decode with the kernel against decode without it -------------------------
-
-
-def decode_logits(params, cfg, prompt, steps):
-    """Greedy decode `steps` tokens one forward at a time; returns the [steps, vocab] logits."""
-    fwd = jax.jit(functools.partial(hybridjax.forward, cfg=cfg))  # fresh: traced under this env
-    cache = hybridjax.init_cache(cfg, 1, 64, capacity=64)
-    logits, cache = fwd(params, jnp.asarray([prompt], jnp.int32), cache)
-    out = []
-    tok = int(jnp.argmax(logits[0, -1]))
-    for _ in range(steps):
-        logits, cache = fwd(params, jnp.asarray([[tok]], jnp.int32), cache)
-        out.append(np.asarray(logits[0, -1]))
-        tok = int(np.argmax(out[-1]))
-    return np.stack(out)
 
 
 # qwen3_5_dense has the tied head (transposed path), qwen3_next_moe an untied one and MoE. Not

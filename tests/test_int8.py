@@ -28,26 +28,13 @@ import pytest
 import hybridjax
 from hybridjax import cpu_kernels, ops
 
+from decode_helpers import decode_logits
+
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernel extension not built")
 
 
 def paths_here() -> list[str]:
     return list(cpu_kernels.ISAS[: cpu_kernels.ISAS.index(cpu_kernels.best_isa()) + 1])
-
-
-def decode_logits(params, cfg, prompt, steps):
-    """Greedy decode `steps` tokens one forward at a time; returns the [steps, vocab] logits
-    (prefill of the prompt through XLA, then one-token steps through the kernel)."""
-    fwd = jax.jit(functools.partial(hybridjax.forward, cfg=cfg))  # fresh: traced under this env
-    cache = hybridjax.init_cache(cfg, 1, 64, capacity=64)
-    logits, cache = fwd(params, jnp.asarray([prompt], jnp.int32), cache)
-    out = []
-    tok = int(jnp.argmax(logits[0, -1]))
-    for _ in range(steps):
-        logits, cache = fwd(params, jnp.asarray([[tok]], jnp.int32), cache)
-        out.append(np.asarray(logits[0, -1]))
-        tok = int(np.argmax(out[-1]))
-    return np.stack(out)
 
 
 def rel_err(a, b) -> float:

@@ -216,9 +216,9 @@ HJ_AVX2 inline __m256 Load8(const int8_t* p) {
 }
 
 // V vectors of 8 columns per step, so that each broadcast of x[r, k] feeds V FMAs: with one
-// vector per step (the loop below) every FMA paid a broadcast load beside it, and the loop ran
-// compute-bound for a few rows (int8 most: it also widens, two uops per 8 weights), at about
-// half the float32 path's bytes/s for int8 (benchmarks/README.md). V is chosen so that the sums
+// vector per step (V = 1, what 5-8 rows use) every FMA paid a broadcast load beside it, and the
+// loop ran compute-bound for a few rows (int8 most: it also widens, two uops per 8 weights), at
+// about half the float32 path's bytes/s for int8 (benchmarks/README.md). V is chosen so that the sums
 // (M x V) and the weights (V) fit the 16 ymm registers. Per column the sum still runs over k in
 // order, one FMA at a time, so the results are those of the one-vector loop, bit for bit.
 template <int M, typename T, int V>
@@ -269,33 +269,12 @@ HJ_AVX2 void Avx2WideTile(const Job& j, int64_t row0, int64_t n0, int64_t n1, in
   }
 }
 
+// V = 4 for 1-2 rows of x, 2 for 3-4 rows, 1 (one vector per step) for more: the sums and the
+// weights fit the 16 ymm registers.
 template <int M, typename T>
 HJ_AVX2 void Avx2Tile(const Job& j, int64_t row0, int64_t n0, int64_t n1, int64_t kb, int64_t ke, float* acc) {
-  if constexpr (M <= 2) return Avx2WideTile<M, T, 4>(j, row0, n0, n1, kb, ke, acc);
-  if constexpr (M > 2 && M <= 4) return Avx2WideTile<M, T, 2>(j, row0, n0, n1, kb, ke, acc);
-  const T* w = static_cast<const T*>(j.w);
-  const int64_t width = n1 - n0, vec_end = n0 + (width / 8) * 8;
-  const float* x = j.x + row0 * j.k;
-  std::memset(acc, 0, sizeof(float) * M * width);
-  for (int64_t k0 = kb; k0 < ke; k0 += RowBlock<M, T>()) {
-    const int64_t k1 = k0 + RowBlock<M, T>() < ke ? k0 + RowBlock<M, T>() : ke;
-    const int64_t next = k1 + (k1 - k0) <= ke ? k1 - k0 : 0;  // the next pass's rows, if whole
-    for (int64_t c = n0; c < vec_end; c += 8) {
-      __m256 a[M];
-      for (int r = 0; r < M; ++r) a[r] = _mm256_loadu_ps(acc + r * width + (c - n0));
-      for (int64_t k = k0; k < k1; ++k) {
-        if ((c * sizeof(T)) % 64 == 0) PrefetchNext(w + (k + next) * j.n + c);
-        __m256 wv = Load8(w + k * j.n + c);
-        for (int r = 0; r < M; ++r) a[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * j.k + k]), wv, a[r]);
-      }
-      for (int r = 0; r < M; ++r) _mm256_storeu_ps(acc + r * width + (c - n0), a[r]);
-    }
-    for (int64_t c = vec_end; c < n1; ++c)
-      for (int64_t k = k0; k < k1; ++k) {
-        float wv = WeightAt<T>(w, k * j.n + c);
-        for (int r = 0; r < M; ++r) acc[r * width + (c - n0)] += x[r * j.k + k] * wv;
-      }
-  }
+  constexpr int V = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
+  Avx2WideTile<M, T, V>(j, row0, n0, n1, kb, ke, acc);
 }
 
 HJ_AVX2 inline float HSum8(__m256 v) {
