@@ -121,6 +121,23 @@ def ask(client: httpx.Client, messages: list[dict], salt: str) -> dict:
             "t0": t0, "first_chunk": first_chunk}  # perf_counter times (profile_agent_turn.py)
 
 
+def serve_until_compiled(app, engine, port: int):
+    """Serve `app` on `port` in a thread; return (server, thread) once /health answers and every
+    shape is compiled (the rest compile behind, on the same cores, and until then a prefill runs in
+    narrower calls)."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    t0 = time.perf_counter()
+    thread.start()
+    while httpx.get(f"http://127.0.0.1:{port}/health").status_code != 200 if server.started else True:
+        time.sleep(0.5)
+    ready = time.perf_counter() - t0
+    while engine.compiling:
+        time.sleep(0.5)
+    print(f"server ready in {ready:.0f} s, every shape compiled in {time.perf_counter() - t0:.0f} s")
+    return server, thread
+
+
 def replay(url: str, requests: list[list[dict]], salt: str | None, gap: float, engine) -> list[dict]:
     """Each request after the previous answer, `gap` seconds later (the agent running its tool), on one
     kept-alive connection, as an agent's client sends them (a new httpx client per request costs
@@ -155,17 +172,7 @@ def main(argv=None) -> int:
     engine, _ = build_engine(sc, cfg, params, tok, DEFAULT_NAME)
     port = 18000 + random.randint(0, 999)
     url = f"http://127.0.0.1:{port}"
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, DEFAULT_NAME, warmup=True), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    t0 = time.perf_counter()
-    thread.start()
-    while httpx.get(url + "/health").status_code != 200 if server.started else True:
-        time.sleep(0.5)
-    ready = time.perf_counter() - t0
-    while engine.compiling:  # the rest compile behind, on the same cores, and until then a
-        time.sleep(0.5)      # prefill runs in narrower calls
-    print(f"server ready in {ready:.0f} s, every shape compiled in {time.perf_counter() - t0:.0f} s")
+    server, thread = serve_until_compiled(create_app(engine, DEFAULT_NAME, warmup=True), engine, port)
     results = []
     try:
         for t in range(args.traces):

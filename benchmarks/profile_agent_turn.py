@@ -26,12 +26,10 @@ import argparse
 import functools
 import json
 import random
-import threading
 import time
 
 import httpx
 import jax
-import uvicorn
 
 import bench_agent
 from bench_agent import reasoning_dropping_template, trace
@@ -163,16 +161,7 @@ def main(argv=None) -> int:
             EVENTS.append((time.perf_counter(), time.perf_counter(), "arrival", scope["path"]))
         await app(scope, receive, send)
 
-    server = uvicorn.Server(uvicorn.Config(arrival, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    t0 = time.perf_counter()
-    thread.start()
-    while httpx.get(url + "/health").status_code != 200 if server.started else True:
-        time.sleep(0.5)
-    ready = time.perf_counter() - t0
-    while engine.compiling:
-        time.sleep(0.5)
-    print(f"server ready in {ready:.0f} s, every shape compiled in {time.perf_counter() - t0:.0f} s")
+    server, thread = bench_agent.serve_until_compiled(arrival, engine, port)
     instrument(engine, tok)
     with open("/proc/loadavg") as f:
         print("load average at start:", f.read().split()[:3])
