@@ -183,6 +183,40 @@ class DeviceLoop:
         self._waiting_snapshots.clear()
         self.sched.reset()
 
+    def run_on_padding(self, shape: tuple) -> None:
+        """Run `shape`'s program once on rows that do not exist (row `slots`: every write is
+        dropped, nothing changes) and wait for it: compiles a jitted call, and pays an
+        executable's first-run cost (0.2-0.6 s on CPU) before any request would."""
+        name, r, t = shape
+        slots, pages = self.sched.slots, self.sched.pages_per_row
+        pad = np.full((r,), slots, np.int32)
+        table = np.full((r, pages), self.sched.pool.num_pages, np.int32)
+        s = self.state
+        if name == "decode":
+            out, s = self.calls.decode(self.params, s, pad, table, self.cfg, self.implementation)
+        elif name == "spec_decode":
+            out, s = self.calls.spec_decode(self.params, s, pad, table, self.cfg, self.speculative_tokens,
+                                            self.implementation)
+        elif name == "sample_first":
+            out, _, s = self.calls.sample_first(s, pad)
+        elif name == "set_bits":
+            out = s = self.calls.set_bits(s, pad, np.full((r, steps.mask_words(self.cfg.vocab_size)), -1, np.int32))
+        elif name == "prefill":
+            out, _, s = self.calls.prefill_chunk(self.params, s, pad, np.zeros((r, t), np.int32), np.zeros((r,), np.int32),
+                                                 table, np.zeros((r,), bool), self.cfg, self.implementation)
+        elif name.startswith("setup_row"):
+            gdn, logits = self.calls.read_row(s, 0) if name.endswith("snapshot") else (None, None)
+            s = setup_row(self.calls, self.cfg, s, slots, gdn, logits, 0, GenerationRequest([0], 1))
+            out = s.lengths
+        elif name == "read_row":
+            out = self.calls.read_row(s, 0)
+        elif name == "copy_page":
+            out = s = self.calls.copy_page(s, self.sched.pool.num_pages, self.sched.pool.num_pages)
+        else:
+            raise ValueError(f"no padding run for {name}")
+        self.state = s
+        jax.block_until_ready(out)
+
     # --- admission ------------------------------------------------------------------------
     def _admit(self) -> None:
         self.sched.yield_idle_work()
@@ -539,7 +573,7 @@ class Engine:
         if calls is None:
             self.programs = self._program_set(executable_dir, state)
             self.calls = programs.CompiledCalls(self.programs)
-            self.compiles = Compiles(self.programs, self._cancel)
+            self.compiles = Compiles(self.programs, self._cancel, made=self._wake_loop)
         self.loop = DeviceLoop(cfg, params, tokenizer, self.calls, self.sched, self.programs_of, state, store=store,
                                counters=self.counters, speculative_tokens=speculative_tokens,
                                implementation=self.implementation, policy=policy)
@@ -775,37 +809,13 @@ class Engine:
 
     def _warmup_by_running(self, progress: bool) -> float:
         """Warm-up for calls that are jitted functions (hybridjax.multihost): run every shape
-        once on padding rows (nothing changes), which compiles it."""
+        once on padding rows (`DeviceLoop.run_on_padding`), which compiles it."""
         from tqdm import tqdm
 
         t0 = time.perf_counter()
-        pad = lambda r: np.full((r,), self.slots, np.int32)  # noqa: E731  (out-of-range rows: no-ops)
-        table = lambda r: np.full((r, self.pages_per_row), self.pool.num_pages, np.int32)  # noqa: E731
         shapes = self.shapes()
-        for name, r, t in tqdm(shapes, desc="compiling", unit="program", disable=not progress):
-            s = self._state
-            if name == "decode":
-                out, s = self.calls.decode(self.params, s, pad(r), table(r), self.cfg, self.implementation)
-            elif name == "spec_decode":
-                out, s = self.calls.spec_decode(self.params, s, pad(r), table(r), self.cfg, self.speculative_tokens,
-                                                self.implementation)
-            elif name == "sample_first":
-                out, _, s = self.calls.sample_first(s, pad(r))
-            elif name == "set_bits":
-                out = s = self.calls.set_bits(s, pad(r), np.full((r, steps.mask_words(self.cfg.vocab_size)), -1, np.int32))
-            elif name == "prefill":
-                out, _, s = self.calls.prefill_chunk(self.params, s, pad(r), np.zeros((r, t), np.int32), np.zeros((r,), np.int32),
-                                                table(r), np.zeros((r,), bool), self.cfg, self.implementation)
-            elif name.startswith("setup_row"):
-                gdn, logits = self.calls.read_row(s, 0) if name.endswith("snapshot") else (None, None)
-                s = setup_row(self.calls, self.cfg, s, self.slots, gdn, logits, 0, GenerationRequest([0], 1))
-                out = s.lengths
-            elif name == "read_row":
-                out = self.calls.read_row(s, 0)
-            else:
-                out = s = self.calls.copy_page(s, self.pool.num_pages, self.pool.num_pages)
-            self._state = s
-            jax.block_until_ready(out)
+        for shape in tqdm(shapes, desc="compiling", unit="program", disable=not progress):
+            self.loop.run_on_padding(shape)
         seconds = time.perf_counter() - t0
         log.info("compiled %d programs in %.1f s", len(shapes), seconds)
         return seconds
@@ -822,20 +832,48 @@ class Engine:
         tick = min(5.0, max(ttl / 2, 0.05)) if ttl else None  # TTL runs on a timer too, not only on lookups
         wake = self.sched.wake
         while True:
+            first_run = None
             with wake:
                 while self._running and not self.sched.work_due() and self.loop.inflight is None:
+                    first_run = self._unrun_program()
+                    if first_run is not None:  # idle: a program compiled behind runs once first
+                        break
                     due = self.sched.next_due_in()  # idle-time work waiting for its time
                     timeout = min((t for t in (tick, due) if t is not None), default=None)
                     if not wake.wait(timeout=timeout) and tick:
                         self.store.expire()
                 if not self._running:
                     break
+            if first_run is not None:
+                self._first_run(first_run)
+                continue
             try:
                 self.loop.step()
             except Exception as e:  # a failed step must not kill the worker: fail its requests
                 log.exception("engine step failed")
                 self._fail_all(e)
         self.loop.drain()
+
+    def _wake_loop(self) -> None:
+        with self.sched.wake:
+            self.sched.wake.notify_all()
+
+    def _unrun_program(self) -> tuple | None:
+        """A program the loop may run that exists and has never run (None: none, or calls that are
+        not executables)."""
+        if self.programs is None:
+            return None
+        return next(iter(self.calls.unrun(self.shapes())), None)
+
+    def _first_run(self, shape: tuple) -> None:
+        """Run `shape` once on padding rows (`DeviceLoop.run_on_padding`): an executable's first run
+        costs 0.1-0.4 s more than later ones (CPU, measured per program: benchmarks/README.md,
+        bench_startup), paid here rather than by the first request that needs it."""
+        self.calls.ran.add(shape)  # once, even if it fails
+        try:
+            self.loop.run_on_padding(shape)
+        except Exception:  # it has changed nothing a request reads; the request that needs it will try it
+            log.exception("the first run of %s failed", programs.shape_name(shape))
 
     def _start_up(self, progress: bool) -> None:
         """Have the covering set (loaded or compiled), then compile the rest behind; one line
@@ -854,14 +892,18 @@ class Engine:
         self.warmup(progress, self.covering_shapes())
         if self._cancel.is_set():
             return
+        t1 = time.perf_counter()
+        for shape in self.calls.unrun(self.covering_shapes()):  # the first requests meet no first run
+            self._first_run(shape)
+        self.startup["first_runs_s"] = time.perf_counter() - t1
         if all(map(has, self.covering_shapes())):  # from now on the loop runs only what exists
             self.loop.has = self.calls.has  # (a warm-up the caller replaced: no, it compiles as it goes)
         rest = [s for s in self.background_shapes() if not has(s)]
         rest.sort(key=lambda s: not on_disk(s))  # a restart loads all it kept (quick) before compiling
         self.startup.update(ready_s=time.perf_counter() - t0, behind=len(rest))
-        log.info("start-up: ready in %.1f s: %s%s", self.startup["ready_s"],
+        log.info("start-up: ready in %.1f s: %s; first runs %.1f s%s", self.startup["ready_s"],
                  self.startup.get("summary", "nothing prepared"),  # (a warm-up replaced by the caller)
-                 f"; {len(rest)} more compile behind" if rest else "")
+                 self.startup["first_runs_s"], f"; {len(rest)} more compile behind" if rest else "")
         self._compile_behind(rest)
 
     def _fail_all(self, error: Exception) -> None:

@@ -104,6 +104,8 @@ def test_serves_on_the_covering_set_and_never_compiles_live(exe_dir):
         assert set(behind) == set(eng.shapes() + eng.score_shapes()) - set(eng.covering_shapes())
         for shape in (("decode", 1, 1), ("prefill", 1, 32), ("score", 1, 32)):
             assert not eng.programs.has(shape)  # so requests pad to decode x4, split into chunks of 16
+        # each covering program ran once on padding rows before ready (a first run costs more)
+        assert eng.calls.unrun(eng.covering_shapes()) == [] and eng.startup["first_runs_s"] > 0
         # Nothing compiles behind: the scorer the mix asks for (bucket 32) is compiled at once for
         # it, on a thread of its own (`Compiles.first`), never on the caller's (checked below).
         before, chunks = len(_events), eng.counters["prefill_chunks"]
@@ -115,12 +117,18 @@ def test_serves_on_the_covering_set_and_never_compiles_live(exe_dir):
         # then the rest compiles behind while requests run: still nothing compiles on their threads
         before = len(_events)
         del eng._compile_behind  # the engine's own again
-        eng._compile_behind([("decode", 1, 1), ("prefill", 1, 32)])
+        eng._compile_behind([("decode", 1, 1), ("prefill", 1, 32), ("prefill", 2, 16)])
         for _ in range(3):
             assert run(eng, p, 6).token_ids == refs[tuple(p)]
             assert collect(eng.submit(GenerationRequest(LONG, max_tokens=4))).token_ids == long_ref
         eng._compiler.join(600)
         assert eng.programs.has(("decode", 1, 1)) and eng.programs.has(("prefill", 1, 32))
+        # a program made behind runs once while the engine idles, before a request needs it (no
+        # request above prefills two rows at once)
+        deadline = time.monotonic() + 60
+        while eng.calls.unrun([("prefill", 2, 16)]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert eng.calls.unrun([("decode", 1, 1), ("prefill", 1, 32), ("prefill", 2, 16)]) == []
         _serve_a_mix(eng, refs, long_ref)  # on the new buckets: the same tokens
         assert compiles_outside_the_compile_thread(before) == [] and eng.calls.live_compiles == 0
     finally:
