@@ -65,6 +65,9 @@ from hybridjax.tokenizer import StreamDecoder, Tokenizer
 log = logging.getLogger(__name__)
 
 _WARMUP_LOCK = threading.Lock()
+# Scoring programs up to this padded length run once as they are made (a 256-token forward is a
+# fraction of a second on CPU; a longer one is mostly compute, and its first run adds little).
+FIRST_RUN_SCORE_MAX = 256
 _STARTED: "weakref.WeakSet[Engine]" = weakref.WeakSet()  # engines whose threads may be compiling
 
 
@@ -573,7 +576,7 @@ class Engine:
         if calls is None:
             self.programs = self._program_set(executable_dir, state)
             self.calls = programs.CompiledCalls(self.programs)
-            self.compiles = Compiles(self.programs, self._cancel, made=self._wake_loop)
+            self.compiles = Compiles(self.programs, self._cancel, made=self._program_made)
         self.loop = DeviceLoop(cfg, params, tokenizer, self.calls, self.sched, self.programs_of, state, store=store,
                                counters=self.counters, speculative_tokens=speculative_tokens,
                                implementation=self.implementation, policy=policy)
@@ -854,9 +857,21 @@ class Engine:
                 self._fail_all(e)
         self.loop.drain()
 
-    def _wake_loop(self) -> None:
-        with self.sched.wake:
-            self.sched.wake.notify_all()
+    def _program_made(self, shape: tuple) -> None:
+        """A program compiled or loaded behind (on that thread): a step program is run once by the
+        loop when idle (woken here); a short scoring program runs once here, on a two-token prompt
+        (scoring touches no engine state), so neither first run falls on a request."""
+        if shape[0] != "score":
+            with self.sched.wake:
+                self.sched.wake.notify_all()
+        elif shape[2] <= FIRST_RUN_SCORE_MAX:
+            from hybridjax.generate import prompt_logprobs
+
+            try:
+                prompt_logprobs(self.params, [0, 0], self.cfg, bucket=shape[2], scorer=self.programs.get(shape),
+                                empty_cache=self._empty_score_cache(shape[2]))
+            except Exception:  # the request that needs it will try it
+                log.exception("the first run of %s failed", programs.shape_name(shape))
 
     def _unrun_program(self) -> tuple | None:
         """A program the loop may run that exists and has never run (None: none, or calls that are

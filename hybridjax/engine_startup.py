@@ -101,9 +101,9 @@ class Compiles:
     between programs (a compile under way cannot be interrupted)."""
 
     def __init__(self, program_set: "programs.ProgramSet", cancel: threading.Event,
-                 made: Callable[[], None] = lambda: None):
+                 made: Callable[[tuple], None] = lambda shape: None):
         self.programs, self.cancel = program_set, cancel
-        self.made = made  # called after each program compiled or loaded behind (the engine runs it once)
+        self.made = made  # called with each shape compiled or loaded behind (the engine runs it once)
         self.queue: deque[tuple] = deque()  # shapes the thread behind does next, in order
         self.thread: threading.Thread | None = None  # the one compiling behind
         self.urgent: list[threading.Thread] = []  # those compiling for a waiting request (`first`)
@@ -142,7 +142,7 @@ class Compiles:
                     break
                 try:
                     n += self.programs.ensure(shape) != "present"
-                    self.made()
+                    self.made(shape)
                 except Exception:  # that bucket stays missing: its requests keep using the others
                     log.exception("compiling %s failed", programs.shape_name(shape))
             if n and not self.cancel.is_set():  # DEBUG: the URL stays the last line a user sees

@@ -117,7 +117,7 @@ def test_serves_on_the_covering_set_and_never_compiles_live(exe_dir):
         # then the rest compiles behind while requests run: still nothing compiles on their threads
         before = len(_events)
         del eng._compile_behind  # the engine's own again
-        eng._compile_behind([("decode", 1, 1), ("prefill", 1, 32), ("prefill", 2, 16)])
+        eng._compile_behind([("decode", 1, 1), ("prefill", 1, 32), ("prefill", 2, 16), ("score", 1, 16)])
         for _ in range(3):
             assert run(eng, p, 6).token_ids == refs[tuple(p)]
             assert collect(eng.submit(GenerationRequest(LONG, max_tokens=4))).token_ids == long_ref
@@ -129,6 +129,7 @@ def test_serves_on_the_covering_set_and_never_compiles_live(exe_dir):
         while eng.calls.unrun([("prefill", 2, 16)]) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert eng.calls.unrun([("decode", 1, 1), ("prefill", 1, 32), ("prefill", 2, 16)]) == []
+        assert 16 in eng._score_caches  # the short scorer ran once as it was made (the mix scores at 32)
         _serve_a_mix(eng, refs, long_ref)  # on the new buckets: the same tokens
         assert compiles_outside_the_compile_thread(before) == [] and eng.calls.live_compiles == 0
     finally:
