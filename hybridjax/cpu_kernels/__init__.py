@@ -445,16 +445,16 @@ def _matmul_q8_jvp(n, isa, max_threads, tile_cols, k_slices, x_block, primals, t
 
 
 def matmul_q8(x, p, scale, n: int, *, isa: str | None = None, max_threads: int | None = None,
-              tile_cols: int = TILE_COLS, k_slices: int = K_SLICES, x_block: int = X_BLOCK):
+              tile_cols: int = TILE_COLS, k_slices: int = K_SLICES, x_block: int | None = None):
     """x [..., R, K] (float32 | bfloat16) @ (q * scale) -> [..., R, N] float32 with integer dots:
     p = pack_int8(q) (q [K, N] int8), scale [N] float32, n = N.
 
     Each row of x is quantised to int8 per block of `x_block` values (`quantize_x_blocks`: d =
     max |x| / 127); then y[r, c] = scale[c] * sum over blocks b of d[r, b] * (xq[r, b] . q[b, c]),
     the dots exact in int32, the sum in float32. Not equal to `matmul(x, q, scale)`: x is
-    rounded too (Q8_0-like), for a weight read in 4 uops per 32 bytes on AVX2. x_block: a
-    multiple of 4, at most 1024 (so a block's dot is exact in float32). Other arguments as for
-    `matmul`; the scalar path computes the same sums in plain C++."""
+    rounded too (Q8_0-like), for a weight read in 4 uops per 32 bytes on AVX2. x_block (default
+    X_BLOCK): a multiple of 4, at most 1024 (so a block's dot is exact in float32). Other
+    arguments as for `matmul`; the scalar path computes the same sums in plain C++."""
     if not available():
         raise RuntimeError(load_error())
     x, p = jnp.asarray(x), jnp.asarray(p)
@@ -465,6 +465,7 @@ def matmul_q8(x, p, scale, n: int, *, isa: str | None = None, max_threads: int |
                          f"{p.shape} {p.dtype}")
     if x.dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"matmul_q8: x must be float32 or bfloat16, got {x.dtype}")
+    x_block = X_BLOCK if x_block is None else x_block  # read per call: a benchmark may set X_BLOCK
     if x_block <= 0 or x_block % QUAD or x_block > 1024:
         raise ValueError(f"matmul_q8: x_block must be a multiple of 4 up to 1024, got {x_block}")
     scale = jnp.asarray(scale, jnp.float32)

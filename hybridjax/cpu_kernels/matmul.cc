@@ -13,7 +13,8 @@
 //   1 avx2        the same with 8 lanes.
 //   0 scalar      plain C++, any CPU.
 //
-// Weight dtypes: float32, bfloat16, int8 (y = (x @ q) * scale[n], per output channel).
+// Weight dtypes: float32, bfloat16, int8 (y = (x @ q) * scale[n], per output channel; x stays
+// float: weight-only int8; for int8 x int8 see packed int8 below).
 // Work items are (column tile, slice of K): a narrow weight (N = 1024) is cut along K so
 // that each item still streams long contiguous rows; the slices' partial sums are added by
 // the caller at the end, always in slice order (so results do not depend on the threads).
@@ -31,6 +32,17 @@
 // buffer to load and store). Items are column tiles over the whole of K (one contiguous block
 // each). One thread streamed it at 1.0-1.25x the float32 kernel's bytes/s with one row of x
 // (the [K, N] bf16 pair path: 0.7-0.9x) and 1.2-1.4x with eight (benchmarks/README.md).
+//
+// Packed int8 with int8 activations (HjMatmulQ8, cpu_kernels.matmul_q8): w is int8
+// [..., P, KQ * 128] with P = ceil(N / 32), KQ = ceil(K / 4), prepared once at load
+// (cpu_kernels.pack_int8): panel j holds columns 32j .. 32j + 31, quad p of weight rows
+// (4p .. 4p + 3) as 32 lanes of 4 bytes (w[4p, c] .. w[4p + 3, c]), zero-padded: a 32-byte load
+// is 4 consecutive k of 8 columns, the operand of vpmaddubsw. Each row of x is rounded to int8
+// per block of `x_block` values (scale max |x| / 127, as llama.cpp's Q8_0 activations), the dot
+// of a block is exact in int32, and y = scale[n] * sum over blocks of float(dot) * x's scale. On
+// AVX2 the float path widens every weight (2 uops per 8) before its FMA and runs compute-bound;
+// this one multiplies 32 weights in 4 uops per row of x. Items: column tiles over the whole of
+// K, as for packed bf16; slices of K (tests) are whole blocks of x.
 //
 // Leading (vmap) dimensions: x [..., R, K], w [..., K, N] (scale [..., 1, N]), y [..., R, N]; a
 // leading dimension of size 1 broadcasts. When w has no batch, all of x's rows share one
@@ -234,7 +246,8 @@ void ScalarQ8Tile(const Job& j, int64_t row0, int rows, int64_t n0, int64_t n1, 
       const float d = j.xs[(row0 + r) * blocks + b0 / j.xblock];
       for (int64_t c = n0; c < n1; ++c) {
         int32_t dot = 0;
-        for (int64_t k = b0; k < b1; ++k) dot += int32_t(xq[k]) * w[((c / 32) * kq + k / 4) * 128 + (c % 32) * 4 + (k & 3)];
+        const int8_t* panel = w + (c / 32) * kq * 128 + (c % 32) * 4;
+        for (int64_t k = b0; k < b1; ++k) dot += int32_t(xq[k]) * panel[(k / 4) * 128 + (k & 3)];
         acc[r * width + (c - n0)] += float(dot) * d;
       }
     }
@@ -460,11 +473,12 @@ HJ_AVX2 void Avx2Q8Tile(const Job& j, int64_t row0, int64_t n0, int64_t n1, int6
       const int64_t b1 = b0 + j.xblock < ke ? b0 + j.xblock : ke, q0 = b0 / 4, q1 = (b1 + 3) / 4;
       const int8_t* w = wbase + (panel * kq + q0) * 128;
       const float* d = xs + b0 / j.xblock;
+      const int64_t ldx = 4 * kq;
       int r = 0;
       for (; r + 2 <= M; r += 2)
-        Avx2Q8Group<2>(w, xu + r * 4 * kq, xq + r * 4 * kq, 4 * kq, d + r * blocks, blocks, q0, q1, out + r * stride, stride);
+        Avx2Q8Group<2>(w, xu + r * ldx, xq + r * ldx, ldx, d + r * blocks, blocks, q0, q1, out + r * stride, stride);
       if (r < M)
-        Avx2Q8Group<1>(w, xu + r * 4 * kq, xq + r * 4 * kq, 4 * kq, d + r * blocks, blocks, q0, q1, out + r * stride, stride);
+        Avx2Q8Group<1>(w, xu + r * ldx, xq + r * ldx, ldx, d + r * blocks, blocks, q0, q1, out + r * stride, stride);
     }
   }
 }
