@@ -201,3 +201,17 @@ def test_int8_dot_model_against_float32(arch, dtype, loaded):
     print(f"{arch} {dtype}: int8-dot vs unquantised logits, max |diff| / max |logit| = {err:.4f}, agree {agree:.2f}")
     assert err < 2e-2, err
     assert agree >= 0.75, (got.argmax(-1), ref.argmax(-1))
+
+
+def test_load_and_cli_int8_dot(hf_dirs, capsys):
+    from hybridjax.cli import main
+
+    cfg, q = hybridjax.load_hf(hf_dirs["qwen3_5_dense"], dtype="float32", quantize="int8-dot")
+    up = q.layers[0].ffn.up
+    assert isinstance(up, cpu_kernels.Int8Weight) and up.panels is not None
+    np.testing.assert_array_equal(np.asarray(cpu_kernels.unpack_int8(up.panels, *up.shape)), np.asarray(up.q))
+    _, wo = hybridjax.load_hf(hf_dirs["qwen3_5_dense"], dtype="float32", quantize="int8-wo")
+    assert wo.layers[0].ffn.up.panels is None
+    args = ["generate", "--no-compile-cache", "--prompt", "Hello", "--max-new-tokens", "3", "--quantize", "int8-dot"]
+    assert main(args) == 0
+    capsys.readouterr()

@@ -95,9 +95,9 @@ PACK_HELP = ("with --dtype bfloat16 on one CPU device with AVX2 or AVX512_BF16: 
 QUANTIZE_MODES = ("int8", "int8-wo", "int8-dot")  # cpu_kernels.QUANTIZE_MODES (no import of the kernels here)
 QUANTIZE_HELP = ("int8: int8 projections, one scale per output column (decode on CPU reads a quarter of "
                  "float32's weight bytes; embeddings, norms and the MoE router stay in --dtype); one device "
-                 "only. On AVX2 CPUs decode also rounds the activations to int8 per block of 32 and multiplies "
-                 "integers (int8-dot, a second int8 copy of the weights); int8-wo forces weight-only int8, "
-                 "int8-dot the integer path")
+                 "only; int8 and int8-wo are weight-only int8. int8-dot: decode also rounds the activations to "
+                 "int8 per block of 32 and multiplies integers (faster on AVX2, somewhat less accurate; a "
+                 "second int8 copy of the weights)")
 
 
 def use_compile_cache(directory: str | None, enabled: bool = True) -> None:
