@@ -25,6 +25,9 @@ vocab 32000, untied head, 228 M params; built once into --model-dir if absent). 
                           float32 weights: q int8 + a float32 scale per output column), the
                           kernel's int8 path; embeddings and norms float32
              int8-xla     the same weights, XLA's dots over q widened (opt in with --modes)
+             int8-dot-kernel  the same q and scales, also packed in quads of K
+                          (quantize_params(.., "int8-dot")): x rounded to int8 per block of 32,
+                          integer dots (cpu_kernels.matmul_q8)
              bf16-xla     bfloat16 weights, XLA's dots (very slow: opt in with --modes)
              *-kernel-1t  the kernel on one thread per call (what sharing columns buys)
            Modes alternate round by round, so load drift hits all alike; medians are shown.
@@ -79,12 +82,15 @@ MODES = {  # name -> (param dtype, use the kernel, kernel threads per call: 0 = 
     "int8-kernel": ("float32", True, 0),
     "int8-xla": ("float32", False, 0),
     "int8-kernel-1t": ("float32", True, 1),
+    # the same int8 weights also packed in quads of K, x rounded to int8 per block (int8-dot)
+    "int8-dot-kernel": ("float32", True, 0),
+    "int8-dot-kernel-1t": ("float32", True, 1),
 }
 
 
 def weights_of(name: str) -> str:
-    """Which weights a mode reads: its dtype, or "int8" (bytes per token differ)."""
-    return "int8" if name.startswith("int8") else MODES[name][0]
+    """Which weights a mode reads: its dtype, "int8" or "int8-dot" (bytes per token differ)."""
+    return "int8-dot" if name.startswith("int8-dot") else "int8" if name.startswith("int8") else MODES[name][0]
 
 
 def loadavg() -> str:
@@ -130,10 +136,16 @@ def matvec_bandwidth(repeats: int, size: int) -> dict[str, float]:
 
 
 def bytes_per_token(params, cfg) -> int:
-    """Every weight once, but only one row of the embedding (a gather) unless it is the head."""
+    """Every weight once, but only one row of the embedding (a gather) unless it is the head; an
+    int8 weight with panels is read as its panels (its q serves prefill)."""
     import jax
 
+    from hybridjax import cpu_kernels
+
     total = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+    is_int8 = lambda x: isinstance(x, cpu_kernels.Int8Weight)  # noqa: E731
+    total -= sum(w.q.nbytes for w in jax.tree_util.tree_leaves(params, is_leaf=is_int8)
+                 if is_int8(w) and w.panels is not None)
     if params.lm_head is not None:
         total -= params.embed.nbytes - params.embed.nbytes // cfg.vocab_size
     return total
@@ -203,13 +215,14 @@ def run_decode(a, modes: dict, prompt) -> tuple[dict, list[dict]]:
         m.generate(prompt, n)
         m.generate(prompt, 1)
     times = {name: {"n": [], "one": []} for name in modes}
-    llama_runs = {g: [] for g in (a.gguf if a.llama_bench else [])}
+    threads = [int(t) for t in str(a.threads).split(",")]
+    llama_runs = {(g, t): [] for g in (a.gguf if a.llama_bench else []) for t in threads}
     for r in range(a.repeats):
         for name, m in modes.items():
             times[name]["n"] += median_time(lambda: m.generate(prompt, n), 1)
             times[name]["one"] += median_time(lambda: m.generate(prompt, 1), 1)
-        for g, runs in llama_runs.items():
-            runs.append(llama_bench(a.llama_bench, g, a.threads, n, a.prompt))
+        for (g, t), runs in llama_runs.items():
+            runs.append(llama_bench(a.llama_bench, g, t, n, a.prompt))
         print(f"  round {r + 1}/{a.repeats} (load {loadavg()})", file=sys.stderr, flush=True)
     out = {}
     for name, t in times.items():
@@ -333,7 +346,7 @@ def print_round_ratios(dec: dict, llama: list[dict], n: int) -> None:
     """Our tok/s over llama.cpp's, round by round (each round runs both, so a slow or fast spell
     of the shared machine hits the pair alike): median and range per (mode, GGUF)."""
     print("\nper-round ratio, our mode / llama.cpp (median [min-max] over rounds):\n")
-    print("| mode | " + " | ".join(Path(r["gguf"]).name for r in llama) + " |")
+    print("| mode | " + " | ".join(f"{Path(r['gguf']).name} -t {r['threads']}" for r in llama) + " |")
     print("|---|" + "---:|" * len(llama))
     for name, d in dec.items():
         ours = [(n - 1) / (t_n - t_1) for t_n, t_1 in zip(d["raw"]["n"], d["raw"]["one"])]
@@ -352,7 +365,7 @@ def llama_bench(binary: str, gguf: str, threads: int, n: int, depth: int) -> dic
     res = subprocess.run(cmd, capture_output=True, text=True, check=True)
     rows = json.loads(res.stdout)
     row = next(r for r in rows if r.get("n_gen") == n)
-    return {"gguf": gguf, "model_type": row.get("model_type", ""),
+    return {"gguf": gguf, "threads": threads, "model_type": row.get("model_type", ""),
             "tok_s": row["avg_ts"], "stdev": row.get("stddev_ts", 0.0), "cmd": " ".join(cmd)}
 
 
@@ -372,7 +385,7 @@ def main(argv=None) -> int:
                     help="also time single decode steps, modes interleaved, this many rounds of 4 steps each")
     ap.add_argument("--llama-bench", help="path of llama.cpp's llama-bench")
     ap.add_argument("--gguf", action="append", default=[], help="GGUF of the same weights (repeatable)")
-    ap.add_argument("--threads", type=int, default=2, help="llama-bench threads")
+    ap.add_argument("--threads", default="2", help="llama-bench threads; a comma list (2,1) runs each per round")
     ap.add_argument("--json", help="also write every figure here")
     a = ap.parse_args(argv)
     if a.quick:
@@ -413,9 +426,10 @@ def main(argv=None) -> int:
         if dtype not in loaded:
             loaded[dtype] = hybridjax.load_hf(model_dir, dtype=dtype)
             jax.block_until_ready(loaded[dtype][1])
-        if weights_of(name) == "int8" and "int8" not in loaded:
+        if weights_of(name) in ("int8", "int8-dot") and weights_of(name) not in loaded:
             c, p = loaded[dtype]
-            loaded["int8"] = (c, jax.block_until_ready(cpu_kernels.quantize_params(p)))
+            layout = "int8-wo" if weights_of(name) == "int8" else "int8-dot"
+            loaded[weights_of(name)] = (c, jax.block_until_ready(cpu_kernels.quantize_params(p, layout)))
         cfg, params = loaded[weights_of(name)]
         if name.endswith("-packed") or name.endswith("-packed-1t"):
             params = jax.block_until_ready(cpu_kernels.pack_params(params))
@@ -426,7 +440,7 @@ def main(argv=None) -> int:
     steps = step_times(modes, prompt, a.step_rounds, 4, 4096 if a.quick else 8192) if a.step_rounds else None
     acc = {}
     prompts = [prompt] + [bench_generate.prompt_tokens(a.prompt + i).tolist() for i in range(1, a.agree_prompts)]
-    for other in ("bf16-kernel", "int8-kernel"):
+    for other in ("bf16-kernel", "int8-kernel", "int8-dot-kernel"):
         if "f32-kernel" in modes and other in modes:
             print(f"{other} vs f32-kernel agreement over {len(prompts)} prompts ...", file=sys.stderr, flush=True)
             acc[other] = accuracy_over_prompts(modes["f32-kernel"], modes[other], prompts, a.new_tokens)
@@ -444,7 +458,8 @@ def main(argv=None) -> int:
     print("one-row matvec, " + ", ".join(f"{k}: {v:.1f} GB/s" for k, v in bw.items()))
     print(f"bytes read per token: float32 {f32_bytes / 1e6:.1f} MB"
           + (f", bfloat16 {wbytes['bfloat16'] / 1e6:.1f} MB" if "bfloat16" in wbytes else "")
-          + (f", int8 {wbytes['int8'] / 1e6:.1f} MB" if "int8" in wbytes else ""))
+          + (f", int8 {wbytes['int8'] / 1e6:.1f} MB" if "int8" in wbytes else "")
+          + (f", int8-dot {wbytes['int8-dot'] / 1e6:.1f} MB" if "int8-dot" in wbytes else ""))
     print(f"bound (float32 bytes / XLA float32 matvec bandwidth): {bound_tok_s:.1f} tok/s "
           f"({1e3 / bound_tok_s:.2f} ms/token)\n")
     print("| mode | tok/s | ms/token | GB/s read | x bound (f32 tok/s) | x f32-xla |")
@@ -457,7 +472,7 @@ def main(argv=None) -> int:
               f"{d['tok_s'] / bound_tok_s:.2f} | {rel} |")
     for r in llama:
         rel = f"{r['tok_s'] / base:.2f}x" if base else "-"
-        print(f"| llama.cpp {Path(r['gguf']).name} | {r['tok_s']:.1f} (rounds {min(r['rounds']):.1f}-{max(r['rounds']):.1f}) | "
+        print(f"| llama.cpp {Path(r['gguf']).name} -t {r['threads']} | {r['tok_s']:.1f} (rounds {min(r['rounds']):.1f}-{max(r['rounds']):.1f}) | "
               f"{1e3 / r['tok_s']:.2f} | - | {r['tok_s'] / bound_tok_s:.2f} | {rel} |")
     if llama:
         print_round_ratios(dec, llama, a.new_tokens)

@@ -9,7 +9,8 @@ round-robin in one process (each round times every mode once, so load from other
 them alike): `f32` (float32 weight and x), `bf16` (bfloat16 weight and x, as a bf16 model
 decodes), `bf16-xf32` (bfloat16 weight, float32 x: the hi + lo split), `bf16-packed` (the same
 bfloat16 weight packed once into panels, `cpu_kernels.pack_bf16` / `matmul_packed`), `int8` (weight-only
-int8 with per-column scales, float32 x), `read` (no matmul: a plain sequential read of the float32
+int8 with per-column scales, float32 x), `int8-dot` (the same int8 weight packed in quads of K,
+`cpu_kernels.pack_int8` / `matmul_q8`: x rounded to int8 per block, integer dots), `read` (no matmul: a plain sequential read of the float32
 copies, on as many threads as the kernel may use: the bandwidth the kernel should reach). With `--old-so` an
 older build of the kernel (loaded beside the current one under another FFI target name) adds
 `old-bf16`, `old-f32` and `old-int8`, so a change is measured against its predecessor in the same run.
@@ -47,6 +48,7 @@ def main(argv=None) -> int:
     ap.add_argument("--old-so", default=None, help="an older build of _matmul*.so to compare against")
     ap.add_argument("--threads", type=int, default=0, help="max threads per kernel call (0: XLA's pool)")
     ap.add_argument("--modes", default=None, help="comma-separated subset of the modes")
+    ap.add_argument("--x-block", type=int, default=0, help="int8-dot: values of x per scale (0: the default)")
     a = ap.parse_args(argv)
 
     import jax
@@ -57,7 +59,9 @@ def main(argv=None) -> int:
 
     calls = {"new": lambda x, w: cpu_kernels.matmul(x, w, max_threads=a.threads),
              "packed": lambda x, w: cpu_kernels.matmul_packed(x, w[0], w[1], max_threads=a.threads),
-             "int8": lambda x, w: cpu_kernels.matmul(x, w[0], w[1], max_threads=a.threads)}
+             "int8": lambda x, w: cpu_kernels.matmul(x, w[0], w[1], max_threads=a.threads),
+             "q8": lambda x, w: cpu_kernels.matmul_q8(x, w[0][0], w[0][1], w[1], max_threads=a.threads,
+                                                      x_block=a.x_block or cpu_kernels.X_BLOCK)}
     if a.old_so:
         old = ctypes.CDLL(a.old_so)
         jax.ffi.register_ffi_target("hybridjax_cpu_matmul_old", jax.ffi.pycapsule(old.HjMatmul), platform="cpu")
@@ -74,7 +78,8 @@ def main(argv=None) -> int:
     # mode -> (call, weight dtype, x dtype)
     modes = {"f32": ("new", jnp.float32, jnp.float32), "bf16": ("new", jnp.bfloat16, jnp.bfloat16),
              "bf16-xf32": ("new", jnp.bfloat16, jnp.float32), "bf16-packed": ("packed", "packed", jnp.bfloat16),
-             "int8": ("int8", "int8", jnp.float32), "read": ("read", jnp.float32, None)}
+             "int8": ("int8", "int8", jnp.float32), "int8-dot": ("q8", "int8-dot", jnp.float32),
+             "read": ("read", jnp.float32, None)}
     if a.old_so:
         modes.update({"old-f32": ("old", jnp.float32, jnp.float32), "old-bf16": ("old", jnp.bfloat16, jnp.bfloat16),
                       "old-int8": ("old", "int8", jnp.float32)})
@@ -91,6 +96,8 @@ def main(argv=None) -> int:
             return x
 
         def f(x, ws):
+            if isinstance(ws[0], tuple) and len(ws[0]) == 3:  # int8-dot: (panels, scale, n), n static
+                return run(x, [(p, s) for p, s, _ in ws], tuple(n for _, _, n in ws))
             if isinstance(ws[0], tuple) and not isinstance(ws[0][1], int):  # int8: (q, scale)
                 return run(x, ws, ())
             if isinstance(ws[0], tuple):  # packed: (panels, n), n static
@@ -112,7 +119,9 @@ def main(argv=None) -> int:
         ws[jnp.bfloat16] = [w.astype(jnp.bfloat16) for w in ws[jnp.float32]]
         ws["packed"] = [(cpu_kernels.pack_bf16(w), n) for w in ws[jnp.bfloat16]]
         del base
-        ws["int8"] = [cpu_kernels.quantize_int8(w) for w in ws[jnp.float32]] if "int8" in modes else []
+        want_int8 = {"int8", "int8-dot"} & set(modes)
+        ws["int8"] = [cpu_kernels.quantize_int8(w) for w in ws[jnp.float32]] if want_int8 else []
+        ws["int8-dot"] = [(cpu_kernels.pack_int8(q), s, n) for q, s in ws["int8"]]
         host = [np.asarray(w) for w in ws[jnp.float32]] if "read" in modes else []
         fns = {m: chain(calls[c]) for m, (c, _, _) in modes.items() if c != "read"}
         if "read" in modes:
@@ -133,7 +142,7 @@ def main(argv=None) -> int:
                     times[m].append(time.perf_counter() - t0)
             gbs = {}
             for m, (_, wd, _) in modes.items():
-                nbytes = copies * k * n * {"packed": 2, "int8": 1}.get(wd) if isinstance(wd, str) else \
+                nbytes = copies * k * n * {"packed": 2, "int8": 1, "int8-dot": 1}.get(wd) if isinstance(wd, str) else \
                     copies * k * n * jnp.dtype(wd).itemsize
                 t = np.asarray(times[m])
                 gbs[m] = (nbytes / np.median(t) / 1e9, nbytes / t.min() / 1e9)

@@ -30,8 +30,9 @@ def dense(x: Array, w: Array, dtype=None, transposed: bool = False) -> Array:
     transposed: w is [n_out, n_in] (a tied embedding as the head), read in place.
     w may be a `cpu_kernels.PackedWeight` (`cpu_kernels.pack_params`): decode rows then stream
     its packed bfloat16 panels, everything else reads its plain weight; or a
-    `cpu_kernels.Int8Weight` (`cpu_kernels.quantize_params`): decode rows stream its int8 weight,
-    more rows widen it to float32 for XLA's matmul.
+    `cpu_kernels.Int8Weight` (`cpu_kernels.quantize_params`): decode rows stream its int8 weight
+    (with packed panels: int8 x int8 dots, `cpu_kernels.matmul_q8`), more rows widen q to float32
+    for XLA's matmul.
 
     A few rows (decode) on CPU go to the streaming kernel of `hybridjax.cpu_kernels` when it is
     built: XLA:CPU's one-row dots leave memory bandwidth unused, and its bfloat16 ones run ~20x
@@ -76,6 +77,11 @@ def _int8_dense(rows: Array, w, transposed: bool) -> Array:
 
     if (cpu_kernels.supports(rows.shape[0], rows.dtype, jnp.float32) and sharding.current_mesh() is None
             and cpu_kernels.enabled()):
+        if w.panels is not None:  # int8-dot: x rounded to int8 too, integer dots (matmul_q8)
+            n = w.shape[1]
+            return jax.lax.platform_dependent(
+                rows, w.q, w.scale, w.panels, cpu=lambda r, _, s, p: cpu_kernels.matmul_q8(r, p, s, n),
+                default=lambda r, q, s, _: xla(r, q, s))
         return jax.lax.platform_dependent(rows, w.q, w.scale, cpu=cpu_kernels.matmul, default=xla)
     return xla(rows, w.q, w.scale)
 

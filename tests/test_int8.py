@@ -1,5 +1,6 @@
-"""Weight-only int8 as a model mode (`cpu_kernels.Int8Weight`, `quantize_params`,
-`hybridjax.load(..., quantize="int8")`, `--quantize int8`): the kernel's int8 path through the
+"""Weight-only int8 as a model mode (`cpu_kernels.Int8Weight`, `quantize_params(.., "int8-wo")`,
+`hybridjax.load(..., quantize="int8")`, `--quantize int8`; the int8 x int8 path that "int8" picks
+on AVX2 is tested in tests/test_int8_dot.py): the kernel's int8 path through the
 whole model on every ISA path this CPU has, against XLA on the same int8 weights, and the int8
 model against the float32 one.
 
@@ -86,7 +87,7 @@ def test_int8_model_decode_on_every_path_equals_xla(isa, loaded, monkeypatch):
     if isa not in paths_here():
         pytest.skip(f"this CPU has no {isa} (best: {cpu_kernels.best_isa()})")
     cfg, params = loaded["qwen3_next_moe"]
-    q = cpu_kernels.quantize_params(params)
+    q = cpu_kernels.quantize_params(params, "int8-wo")  # int8-dot rounds x too: tests/test_int8_dot.py
     prompt = np.random.RandomState(8).randint(0, cfg.vocab_size, 7).tolist()
     monkeypatch.setenv("HYBRIDJAX_CPU_ISA", isa)
     ours = decode_logits(q, cfg, prompt, 4)
@@ -126,7 +127,7 @@ def test_int8_model_against_float32(arch, dtype, loaded):
     mostly equal."""
     cfg, params = loaded[arch]
     params = hybridjax.params.cast_params(params, dtype)
-    q = cpu_kernels.quantize_params(params)
+    q = cpu_kernels.quantize_params(params, "int8-wo")
     prompt = np.random.RandomState(3).randint(0, cfg.vocab_size, 9).tolist()
     ref, tokens = forced_logits(params, cfg, prompt, 7)
     got, _ = forced_logits(q, cfg, prompt, 7, tokens)

@@ -92,9 +92,12 @@ PACK_HELP = ("with --dtype bfloat16 on one CPU device with AVX2 or AVX512_BF16: 
              "panels that decode streams faster (about 2x float32's decode instead of 1.6x), at twice the "
              "bf16 weight memory")
 
-QUANTIZE_HELP = ("int8: weight-only int8 projections, one scale per output column (decode on CPU reads a "
-                 "quarter of float32's weight bytes; embeddings, norms and the MoE router stay in --dtype); "
-                 "one device only")
+QUANTIZE_MODES = ("int8", "int8-wo", "int8-dot")  # cpu_kernels.QUANTIZE_MODES (no import of the kernels here)
+QUANTIZE_HELP = ("int8: int8 projections, one scale per output column (decode on CPU reads a quarter of "
+                 "float32's weight bytes; embeddings, norms and the MoE router stay in --dtype); one device "
+                 "only; int8 and int8-wo are weight-only int8. int8-dot: decode also rounds the activations to "
+                 "int8 per block of 32 and multiplies integers (faster on AVX2, somewhat less accurate; a "
+                 "second int8 copy of the weights)")
 
 
 def use_compile_cache(directory: str | None, enabled: bool = True) -> None:

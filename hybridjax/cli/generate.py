@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from hybridjax.cli.common import (DTYPE_HELP, PACK_HELP, QUANTIZE_HELP, CLIError, add_compile_cache, add_mesh_args, init_distributed,
+from hybridjax.cli.common import (DTYPE_HELP, PACK_HELP, QUANTIZE_HELP, QUANTIZE_MODES, CLIError, add_compile_cache, add_mesh_args, init_distributed,
                                  int_at_least, load_model, token_ids, use_compile_cache)
 
 
@@ -102,7 +102,7 @@ def add_generate(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help=DTYPE_HELP)
     p.add_argument("--pack-for-decode", action="store_true", help=PACK_HELP)
-    p.add_argument("--quantize", choices=["int8"], default=None, help=QUANTIZE_HELP)
+    p.add_argument("--quantize", choices=list(QUANTIZE_MODES), default=None, help=QUANTIZE_HELP)
     p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
     p.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
                    help="draft K (1-4) tokens per step with the model's MTP head and verify them in one forward "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import signal
 
-from hybridjax.cli.common import (DTYPE_HELP, PACK_HELP, QUANTIZE_HELP, CLIError, add_compile_cache, add_mesh_args, init_distributed,
+from hybridjax.cli.common import (DTYPE_HELP, PACK_HELP, QUANTIZE_HELP, QUANTIZE_MODES, CLIError, add_compile_cache, add_mesh_args, init_distributed,
                                  int_at_least, load_model, port_number, positive_float, power_of_two, read_api_keys,
                                  use_compile_cache)
 
@@ -125,7 +125,7 @@ def add_serve(sub) -> None:
                    help="open connections at most; one more is answered 503 (kept below the open-file limit)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help=DTYPE_HELP)
     p.add_argument("--pack-for-decode", action="store_true", help=PACK_HELP)
-    p.add_argument("--quantize", choices=["int8"], default=None, help=QUANTIZE_HELP)
+    p.add_argument("--quantize", choices=list(QUANTIZE_MODES), default=None, help=QUANTIZE_HELP)
     p.add_argument("--page-size", type=power_of_two, default=64, help="tokens per KV page")
     p.add_argument("--kv-pages", type=int_at_least(0), default=None,
                    help="pages in the KV pool (default: from --kv-mb, else every slot at --max-len, twice)")

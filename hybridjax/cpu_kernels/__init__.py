@@ -7,7 +7,8 @@
                                         # (routed experts, read in place; index outside [0, E): zeros)
     p = pack_bf16(w)                    # w [K, N] -> bfloat16 panels [ceil(N/32), ceil(K/2) * 64], once
     y = matmul_packed(x, p, n=N)        # = matmul(x, w.astype(bfloat16)), streamed from the panels
-    params = quantize_params(params)    # projections as Int8Weight(q, scale): weight-only int8 decode
+    y = matmul_q8(x, pack_int8(q), scale, n=N)   # int8 x int8 dots: x rounded per block of 32
+    params = quantize_params(params)    # projections as Int8Weight(q, scale[, panels]): int8 decode
                                   # y [..., R, N] float32, accumulated in float32
 
 A decode step reads every weight once per token, so it is bound by memory bandwidth, and
@@ -51,6 +52,7 @@ ISAS = ("scalar", "avx2", "avx512", "avx512bf16")  # in the kernel's numbering, 
 TARGET = "hybridjax_cpu_matmul"
 TARGET_INDEXED = "hybridjax_cpu_matmul_indexed"
 TARGET_PACKED = "hybridjax_cpu_matmul_packed"
+TARGET_Q8 = "hybridjax_cpu_matmul_q8"
 # Rows up to which `dense` prefers the kernel (the engine's decode slots); prefill, with more
 # rows, keeps XLA's matmuls, which are compute-bound there and fast.
 MAX_ROWS = 8
@@ -87,6 +89,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.HjMatmul), platform="cpu")
         jax.ffi.register_ffi_target(TARGET_INDEXED, jax.ffi.pycapsule(lib.HjMatmulIndexed), platform="cpu")
         jax.ffi.register_ffi_target(TARGET_PACKED, jax.ffi.pycapsule(lib.HjMatmulPacked), platform="cpu")
+        jax.ffi.register_ffi_target(TARGET_Q8, jax.ffi.pycapsule(lib.HjMatmulQ8), platform="cpu")
     except (OSError, AttributeError, RuntimeError, ValueError) as e:
         return None, f"the C++ extension {path.name} failed to load: {e}"
     return lib, None
@@ -368,6 +371,114 @@ def matmul_packed(x, p, n: int, *, isa: str | None = None, max_threads: int | No
     return _matmul_packed(x, p, int(n), _isa_code(isa), int(max_threads), int(tile_cols), int(k_slices))
 
 
+# --- int8 x int8: weights packed in quads of K, activations quantised per block ------------
+
+QUAD = 4  # consecutive k per 32-bit lane of a packed int8 weight (the operand of vpmaddubsw)
+# Values of x per activation scale on the int8 x int8 path: 32, Q8_0's block. On the 228M model
+# 128 raised the mean KL against float32 to 2.6e-3 (32: 1.9e-3), 16 lowered it only to 1.7e-3, and
+# the kernel's speed did not measurably differ (benchmarks/README.md).
+X_BLOCK = 32
+
+
+def pack_int8(q):
+    """q [K, N] int8 -> int8 panels [ceil(N / 32), ceil(K / 4) * 128] for `matmul_q8`.
+
+    Panel j holds columns 32j .. 32j + 31; within it, quad p of weight rows (4p .. 4p + 3) is 32
+    lanes of 4 bytes (q[4p, c], .., q[4p + 3, c]): a 32-byte load is 4 k of 8 columns, what
+    vpmaddubsw multiplies by a broadcast quad of x. K and N are zero-padded (to whole quads and
+    panels). Meant to run once, at load."""
+    q = jnp.asarray(q, jnp.int8)
+    k, n = q.shape
+    kq, panels = -(-k // QUAD), -(-n // PANEL)
+    q = jnp.pad(q, ((0, QUAD * kq - k), (0, PANEL * panels - n)))
+    # [kq, 4, panels, 32] -> [panels, kq, 32, 4]
+    return q.reshape(kq, QUAD, panels, PANEL).transpose(2, 0, 3, 1).reshape(panels, kq * QUAD * PANEL)
+
+
+_pack_int8_jit = jax.jit(pack_int8)
+
+
+def unpack_int8(p, k: int, n: int):
+    """The inverse of `pack_int8`: panels -> int8 [K, N]."""
+    panels = p.shape[0]
+    kq = p.shape[1] // (QUAD * PANEL)
+    return p.reshape(panels, kq, PANEL, QUAD).transpose(1, 3, 0, 2).reshape(QUAD * kq, panels * PANEL)[:k, :n]
+
+
+def quantize_x_blocks(x, block: int = X_BLOCK):
+    """NumPy reference of the kernel's activation quantisation: x [R, K] float32 -> (q int8 [R, K],
+    d float32 [R, ceil(K / block)]), per block d = max |x| / 127 and q = rint(x * (1 / d)), in
+    that float32 order (d = 0 for a block of zeros, whose q are 0)."""
+    x = np.asarray(x, np.float32)
+    r, k = x.shape
+    nb = -(-k // block)
+    xp = np.zeros((r, nb * block), np.float32)
+    xp[:, :k] = x
+    xb = xp.reshape(r, nb, block)
+    d = np.abs(xb).max(axis=2) / np.float32(127)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    q = np.clip(np.rint(xb * inv[:, :, None]), -127, 127).astype(np.int8)
+    return q.reshape(r, nb * block)[:, :k], d.astype(np.float32)
+
+
+def _call_q8(x, p, scale, n, isa, max_threads, tile_cols, k_slices, x_block):
+    out = jax.ShapeDtypeStruct(x.shape[:-1] + (n,), jnp.float32)
+    call = jax.ffi.ffi_call(TARGET_Q8, out, vmap_method="expand_dims")
+    return call(x, p, scale, isa=np.int64(isa), max_threads=np.int64(max_threads), tile_cols=np.int64(tile_cols),
+                k_slices=np.int64(k_slices), x_block=np.int64(x_block))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+def _matmul_q8(x, p, scale, n, isa, max_threads, tile_cols, k_slices, x_block):
+    return _call_q8(x, p, scale, n, isa, max_threads, tile_cols, k_slices, x_block)
+
+
+@_matmul_q8.defjvp
+def _matmul_q8_jvp(n, isa, max_threads, tile_cols, k_slices, x_block, primals, tangents):
+    # Straight through the activation rounding: the tangent of x @ (q * scale) with XLA.
+    x, p, scale = primals
+    dx, _, dscale = tangents
+    y = _matmul_q8(x, p, scale, n, isa, max_threads, tile_cols, k_slices, x_block)
+    q = unpack_int8(p[(0,) * (p.ndim - 2)], x.shape[-1], n).astype(jnp.float32)
+    f32 = jnp.float32
+    dy = jnp.matmul(dx.astype(f32), q * scale) + jnp.matmul(x.astype(f32), q) * dscale
+    return y, dy
+
+
+def matmul_q8(x, p, scale, n: int, *, isa: str | None = None, max_threads: int | None = None,
+              tile_cols: int = TILE_COLS, k_slices: int = K_SLICES, x_block: int | None = None):
+    """x [..., R, K] (float32 | bfloat16) @ (q * scale) -> [..., R, N] float32 with integer dots:
+    p = pack_int8(q) (q [K, N] int8), scale [N] float32, n = N.
+
+    Each row of x is quantised to int8 per block of `x_block` values (`quantize_x_blocks`: d =
+    max |x| / 127); then y[r, c] = scale[c] * sum over blocks b of d[r, b] * (xq[r, b] . q[b, c]),
+    the dots exact in int32, the sum in float32. Not equal to `matmul(x, q, scale)`: x is
+    rounded too (Q8_0-like), for a weight read in 4 uops per 32 bytes on AVX2. x_block (default
+    X_BLOCK): a multiple of 4, at most 1024 (so a block's dot is exact in float32). Other
+    arguments as for `matmul`; the scalar path computes the same sums in plain C++."""
+    if not available():
+        raise RuntimeError(load_error())
+    x, p = jnp.asarray(x), jnp.asarray(p)
+    k = x.shape[-1] if x.ndim else 0
+    want = (-(-n // PANEL), -(-k // QUAD) * QUAD * PANEL)
+    if x.ndim < 2 or p.ndim != 2 or p.shape != want or p.dtype != jnp.int8:
+        raise ValueError(f"matmul_q8: x [..., R, K] and int8 panels {want} for n={n}; got {x.shape} and "
+                         f"{p.shape} {p.dtype}")
+    if x.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"matmul_q8: x must be float32 or bfloat16, got {x.dtype}")
+    x_block = X_BLOCK if x_block is None else x_block  # read per call: a benchmark may set X_BLOCK
+    if x_block <= 0 or x_block % QUAD or x_block > 1024:
+        raise ValueError(f"matmul_q8: x_block must be a multiple of 4 up to 1024, got {x_block}")
+    scale = jnp.asarray(scale, jnp.float32)
+    if scale.shape != (n,):
+        raise ValueError(f"matmul_q8: scale must be [N] = [{n}], got {scale.shape}")
+    if max_threads is None:
+        max_threads = int(os.environ.get("HYBRIDJAX_CPU_THREADS", "0") or 0)
+    lead = (1,) * (x.ndim - 2)
+    return _matmul_q8(x, p.reshape(lead + p.shape), scale.reshape(lead + (1, n)), int(n), _isa_code(isa),
+                      int(max_threads), int(tile_cols), int(k_slices), int(x_block))
+
+
 @jax.tree_util.register_pytree_node_class
 class PackedWeight:
     """A bfloat16 weight [K, N] kept twice: `w` as is (prefill's XLA matmuls, and any other
@@ -406,11 +517,14 @@ class Int8Weight:
     """A weight [K, N] kept as int8 `q` [K, N] with one float32 `scale` [N] per output column
     (`quantize_int8`): it stands for `q * scale`. `hybridjax.ops.dense` takes it in place of w:
     decode rows stream q through the kernel's int8 path (a quarter of float32's bytes), more rows
-    run XLA's float32 matmul on q widened, the scale applied to the product. Weight-only: the
-    activations stay in the model's dtype."""
+    run XLA's float32 matmul on q widened, the scale applied to the product.
 
-    def __init__(self, q, scale):
-        self.q, self.scale = q, scale
+    `panels` (optional, `pack_int8(q)`): decode rows then go to `matmul_q8` instead, which rounds
+    the activations to int8 too and multiplies integers (the "int8-dot" layout). It is a second
+    copy of q (2 bytes per weight in all, half of bfloat16's): prefill keeps reading q."""
+
+    def __init__(self, q, scale, panels=None):
+        self.q, self.scale, self.panels = q, scale, panels
 
     @property
     def shape(self):
@@ -425,14 +539,14 @@ class Int8Weight:
         return self.q.ndim
 
     def tree_flatten(self):
-        return (self.q, self.scale), None
+        return (self.q, self.scale, self.panels), None
 
     @classmethod
     def tree_unflatten(cls, _, children):
         return cls(*children)
 
     def __repr__(self):
-        return f"Int8Weight(shape={self.shape})"
+        return f"Int8Weight(shape={self.shape}{', int8-dot' if self.panels is not None else ''})"
 
 
 def dequantize_int8(q, scale):
@@ -494,7 +608,24 @@ def quantize_int8(w):
 # What `quantize_params` quantises: the projections `dense` reads, but not the MoE router (a
 # softmax over experts whose ranking a small error can flip; it is tiny) and not the embedding.
 INT8_WEIGHTS = DENSE_WEIGHTS - {"router"}
-QUANTIZE_MODES = ("int8",)
+# int8: this CPU's int8 decode (`int8_mode`); int8-wo: weight-only, x stays float (the kernel
+# widens q); int8-dot: also the packed panels, x rounded to int8 per block for integer dots.
+QUANTIZE_MODES = ("int8", "int8-wo", "int8-dot")
+# Paths on which "int8" means int8-dot. None yet: on AVX2 (where the widening path is
+# compute-bound) int8-dot decoded 1.08-1.17x faster than weight-only int8, but its mean KL against
+# float32 was 1.9e-3 against 1.2e-3 (llama.cpp's Q8_0: 1.3e-3), so it stays opt-in
+# (benchmarks/README.md). Per-block weight scales, as Q8_0 has, are what would close that gap.
+INT8_DOT_ISAS: tuple[str, ...] = ()
+
+
+def int8_mode(mode: str = "int8") -> str:
+    """The concrete layout for a quantize mode: "int8" -> "int8-dot" where the kernel is enabled and
+    the best path is in INT8_DOT_ISAS, else "int8-wo"; the explicit modes stay as they are."""
+    if mode not in QUANTIZE_MODES:
+        raise ValueError(f"unknown quantisation {mode!r}; valid: {', '.join(QUANTIZE_MODES)}")
+    if mode != "int8":
+        return mode
+    return "int8-dot" if enabled() and best_isa() in INT8_DOT_ISAS else "int8-wo"
 
 _quantize_int8_jit = jax.jit(quantize_int8)  # one compile per weight shape
 
@@ -504,16 +635,17 @@ def _is_weight_leaf(x) -> bool:
 
 
 def quantize_params(params, mode: str = "int8"):
-    """params with every 2-d projection in INT8_WEIGHTS as an `Int8Weight` (weight-only int8,
-    a scale per output column, computed from the weight as loaded). Embeddings, norms, gates'
-    biases, the router and MoE experts stay as they are. Single device (the kernel's)."""
-    if mode not in QUANTIZE_MODES:
-        raise ValueError(f"unknown quantisation {mode!r}; valid: {', '.join(QUANTIZE_MODES)}")
+    """params with every 2-d projection in INT8_WEIGHTS as an `Int8Weight` (int8, a scale per
+    output column, computed from the weight as loaded; `mode` as in QUANTIZE_MODES: with
+    int8-dot each also keeps `pack_int8` panels). Embeddings, norms, gates' biases, the router
+    and MoE experts stay as they are. Single device (the kernel's)."""
+    dot = int8_mode(mode) == "int8-dot"
 
     def quantize(path, leaf):
         name = getattr(path[-1], "name", None) if path else None
         if name in INT8_WEIGHTS and not _is_weight_leaf(leaf) and getattr(leaf, "ndim", 0) == 2:
-            return Int8Weight(*_quantize_int8_jit(leaf))
+            q, scale = _quantize_int8_jit(leaf)
+            return Int8Weight(q, scale, _pack_int8_jit(q) if dot else None)
         return leaf
 
     return jax.tree_util.tree_map_with_path(quantize, params, is_leaf=_is_weight_leaf)

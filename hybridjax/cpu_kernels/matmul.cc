@@ -13,7 +13,8 @@
 //   1 avx2        the same with 8 lanes.
 //   0 scalar      plain C++, any CPU.
 //
-// Weight dtypes: float32, bfloat16, int8 (y = (x @ q) * scale[n], per output channel).
+// Weight dtypes: float32, bfloat16, int8 (y = (x @ q) * scale[n], per output channel; x stays
+// float: weight-only int8; for int8 x int8 see packed int8 below).
 // Work items are (column tile, slice of K): a narrow weight (N = 1024) is cut along K so
 // that each item still streams long contiguous rows; the slices' partial sums are added by
 // the caller at the end, always in slice order (so results do not depend on the threads).
@@ -32,6 +33,17 @@
 // each). One thread streamed it at 1.0-1.25x the float32 kernel's bytes/s with one row of x
 // (the [K, N] bf16 pair path: 0.7-0.9x) and 1.2-1.4x with eight (benchmarks/README.md).
 //
+// Packed int8 with int8 activations (HjMatmulQ8, cpu_kernels.matmul_q8): w is int8
+// [..., P, KQ * 128] with P = ceil(N / 32), KQ = ceil(K / 4), prepared once at load
+// (cpu_kernels.pack_int8): panel j holds columns 32j .. 32j + 31, quad p of weight rows
+// (4p .. 4p + 3) as 32 lanes of 4 bytes (w[4p, c] .. w[4p + 3, c]), zero-padded: a 32-byte load
+// is 4 consecutive k of 8 columns, the operand of vpmaddubsw. Each row of x is rounded to int8
+// per block of `x_block` values (scale max |x| / 127, as llama.cpp's Q8_0 activations), the dot
+// of a block is exact in int32, and y = scale[n] * sum over blocks of float(dot) * x's scale. On
+// AVX2 the float path widens every weight (2 uops per 8) before its FMA and runs compute-bound;
+// this one multiplies 32 weights in 4 uops per row of x. Items: column tiles over the whole of
+// K, as for packed bf16; slices of K (tests) are whole blocks of x.
+//
 // Leading (vmap) dimensions: x [..., R, K], w [..., K, N] (scale [..., 1, N]), y [..., R, N]; a
 // leading dimension of size 1 broadcasts. When w has no batch, all of x's rows share one
 // pass over w.
@@ -44,7 +56,10 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <algorithm>
+#include <cmath>
 #include <memory>
+#include <numeric>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -124,6 +139,12 @@ struct Job {
   bool transposed;      // w is [n, k]: a tied embedding [vocab, D] read as the head
   bool packed;          // w is bf16 panels [ceil(n / 32), ceil(k / 2) * 64] (see the top)
   const float* scale;   // [n] (int8) or null
+  // Packed int8 with int8 activations (HjMatmulQ8, see the top): x quantised per block of xblock
+  // values, as sign (xq) and magnitude (xu) bytes [rows, 4 * ceil(k / 4)] and scales xs [rows, blocks].
+  const int8_t* xq;
+  const uint8_t* xu;
+  const float* xs;
+  int64_t xblock;
   float* y;             // [rows, n]
   float* part;          // [slices, rows, n] partial sums when K is cut into slices, else null
 };
@@ -141,6 +162,22 @@ inline uint16_t F32ToBf16(float f) {  // round to nearest even; NaN stays NaN
   if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
   u += 0x7fffu + ((u >> 16) & 1u);
   return uint16_t(u >> 16);
+}
+
+// x[k0, k1) to int8 with one scale d = max |x| / 127: q = round-half-even(x * (1 / d)), in
+// [-127, 127] (never -128: its sign could not move onto a weight). Written as sign-carrying q and
+// magnitude |q|; returns d. The NumPy reference does these float32 operations in this order.
+inline float QuantizeBlock(const float* x, int64_t k0, int64_t k1, int8_t* q, uint8_t* mag) {
+  float amax = 0.f;
+  for (int64_t k = k0; k < k1; ++k)  // a NaN sticks (and makes the row's outputs NaN)
+    amax = std::fabs(x[k]) > amax || x[k] != x[k] ? std::fabs(x[k]) : amax;
+  const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+  for (int64_t k = k0; k < k1; ++k) {
+    const float v = std::min(127.f, std::max(-127.f, std::nearbyint(x[k] * inv)));
+    q[k] = int8_t(v);
+    mag[k] = uint8_t(v < 0 ? -v : v);
+  }
+  return d;
 }
 
 template <typename T>
@@ -194,6 +231,27 @@ void ScalarPTile(const Job& j, int64_t row0, int rows, int64_t n0, int64_t n1, i
       float* a = acc + r * width;
       for (int64_t c = n0; c < n1; ++c) a[c - n0] += xv * Bf16ToF32(w[((c / 32) * kp + k / 2) * 64 + (c % 32) * 2 + (k & 1)]);
     }
+}
+
+// Packed int8 (HjMatmulQ8, any CPU): w[k, c] sits at panel c / 32, quad k / 4, lane c % 32, byte
+// k % 4. Per block of x: an exact integer dot, then sum += float(dot) * x's block scale.
+void ScalarQ8Tile(const Job& j, int64_t row0, int rows, int64_t n0, int64_t n1, int64_t kb, int64_t ke, float* acc) {
+  const int8_t* w = static_cast<const int8_t*>(j.w);
+  const int64_t width = n1 - n0, kq = (j.k + 3) / 4, blocks = (j.k + j.xblock - 1) / j.xblock;
+  std::memset(acc, 0, sizeof(float) * rows * width);
+  for (int64_t b0 = kb; b0 < ke; b0 += j.xblock) {  // kb is a whole number of blocks
+    const int64_t b1 = b0 + j.xblock < ke ? b0 + j.xblock : ke;
+    for (int r = 0; r < rows; ++r) {
+      const int8_t* xq = j.xq + (row0 + r) * 4 * kq;
+      const float d = j.xs[(row0 + r) * blocks + b0 / j.xblock];
+      for (int64_t c = n0; c < n1; ++c) {
+        int32_t dot = 0;
+        const int8_t* panel = w + (c / 32) * kq * 128 + (c % 32) * 4;
+        for (int64_t k = b0; k < b1; ++k) dot += int32_t(xq[k]) * panel[(k / 4) * 128 + (k & 3)];
+        acc[r * width + (c - n0)] += float(dot) * d;
+      }
+    }
+  }
 }
 
 #if HJ_X86
@@ -355,6 +413,72 @@ HJ_AVX2 void Avx2PackedTile(const Job& j, int64_t row0, int64_t n0, int64_t n1, 
       for (; r + 3 <= M; r += 3) Avx2PackedGroup<3>(w, x + r * K, K, p0, p1, out + r * stride, stride);
       if (M - r == 2) Avx2PackedGroup<2>(w, x + r * K, K, p0, p1, out + r * stride, stride);
       if (M - r == 1) Avx2PackedGroup<1>(w, x + r * K, K, p0, p1, out + r * stride, stride);
+    }
+  }
+}
+
+// Packed int8 against int8 x on AVX2 (HjMatmulQ8): a 32-bit lane holds 4 consecutive k of one
+// column, so one 32-byte load is 4 rows of 8 columns and a broadcast quad of x meets it in
+// vpmaddubsw (u8 x s8 -> pairs summed to s16) and vpmaddwd by ones (-> s32): 32 weights in 4
+// uops per row of x, against 8 widening uops + 4 FMAs on the float path.
+// vpmaddubsw takes one unsigned operand and saturates its pair sums at s16. So x goes in as |x|
+// (u8, <= 127) and its sign moves onto w (vpsignb; w in [-127, 127], so -w fits): a pair sums
+// to at most 2 * 127 * 127 = 32258 < 32767, never saturating; the s32 sums are exact.
+// Per block of x (one scale), the integer sums become float once: sum += float(dot) * d.
+template <int G>
+HJ_AVX2 inline void Avx2Q8Group(const int8_t* __restrict w, const uint8_t* __restrict xu,
+                                const int8_t* __restrict xq, int64_t ldx, const float* d, int64_t ldd,
+                                int64_t q0, int64_t q1, float* __restrict out, int64_t stride) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i s[G][4];
+  for (int r = 0; r < G; ++r)
+    for (int g = 0; g < 4; ++g) s[r][g] = _mm256_setzero_si256();
+  for (int64_t q = q0; q < q1; ++q, w += 128) {
+    PrefetchNext(w + 1024);  // 8 quads ahead along the panel
+    PrefetchNext(w + 1024 + 64);
+    for (int r = 0; r < G; ++r) {
+      int32_t mag, sgn;
+      std::memcpy(&mag, xu + r * ldx + 4 * q, 4);
+      std::memcpy(&sgn, xq + r * ldx + 4 * q, 4);
+      const __m256i xm = _mm256_set1_epi32(mag), xs = _mm256_set1_epi32(sgn);
+      for (int g = 0; g < 4; ++g) {
+        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * g));
+        const __m256i pairs = _mm256_maddubs_epi16(xm, _mm256_sign_epi8(wv, xs));
+        s[r][g] = _mm256_add_epi32(s[r][g], _mm256_madd_epi16(pairs, ones));
+      }
+    }
+  }
+  for (int r = 0; r < G; ++r) {
+    const __m256 dv = _mm256_set1_ps(d[r * ldd]);
+    for (int g = 0; g < 4; ++g) {
+      float* o = out + r * stride + 8 * g;
+      _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][g]), dv, _mm256_loadu_ps(o)));
+    }
+  }
+}
+
+// acc rows: whole panels. Rows of x go in pairs over each block of the panel (L1-resident after
+// the first pair), so the integer sums of a pair (8 ymm) and the weights fit the registers.
+template <int M>
+HJ_AVX2 void Avx2Q8Tile(const Job& j, int64_t row0, int64_t n0, int64_t n1, int64_t kb, int64_t ke, float* acc) {
+  const int8_t* wbase = static_cast<const int8_t*>(j.w);
+  const int64_t kq = (j.k + 3) / 4, stride = (n1 - n0 + 31) / 32 * 32, blocks = (j.k + j.xblock - 1) / j.xblock;
+  const int8_t* xq = j.xq + row0 * 4 * kq;
+  const uint8_t* xu = j.xu + row0 * 4 * kq;
+  const float* xs = j.xs + row0 * blocks;
+  std::memset(acc, 0, sizeof(float) * M * stride);
+  for (int64_t panel = n0 / 32; panel * 32 < n1; ++panel) {
+    float* out = acc + (panel * 32 - n0);
+    for (int64_t b0 = kb; b0 < ke; b0 += j.xblock) {  // kb is a whole number of blocks
+      const int64_t b1 = b0 + j.xblock < ke ? b0 + j.xblock : ke, q0 = b0 / 4, q1 = (b1 + 3) / 4;
+      const int8_t* w = wbase + (panel * kq + q0) * 128;
+      const float* d = xs + b0 / j.xblock;
+      const int64_t ldx = 4 * kq;
+      int r = 0;
+      for (; r + 2 <= M; r += 2)
+        Avx2Q8Group<2>(w, xu + r * ldx, xq + r * ldx, ldx, d + r * blocks, blocks, q0, q1, out + r * stride, stride);
+      if (r < M)
+        Avx2Q8Group<1>(w, xu + r * ldx, xq + r * ldx, ldx, d + r * blocks, blocks, q0, q1, out + r * stride, stride);
     }
   }
 }
@@ -617,6 +741,7 @@ template <typename T> struct Paths {
 };
 struct Avx2PackedPaths {
   template <int M> static constexpr TileFn tile = Avx2PackedTile<M>;
+  template <int M> static constexpr TileFn q8 = Avx2Q8Tile<M>;
 };
 template <bool kSplit> struct DpPaths {
   template <int M> static constexpr TileFn dp = Bf16DpTile<M, kSplit>;
@@ -650,9 +775,11 @@ TileFn DpTile(bool transposed, bool packed, int rows) {
   return nullptr;
 }
 
-// Packed panels read by a path without vdpbf16ps: AVX2 widens them (null: plain C++).
-inline TileFn PackedTile(int isa, int rows) {
+// Packed panels read by a path without vdpbf16ps: AVX2 widens bf16 pairs and multiplies int8
+// quads as integers, on AVX-512 CPUs too (null: plain C++).
+inline TileFn PackedTile(int isa, int wtype, int rows) {
 #if HJ_X86
+  if (isa >= kAvx2 && wtype == kI8) { HJ_ROWS_SWITCH(Avx2PackedPaths::template q8) }
   if (isa >= kAvx2) { HJ_ROWS_SWITCH(Avx2PackedPaths::template tile) }
 #endif
   return nullptr;
@@ -678,6 +805,9 @@ struct Plan {
   // Owned copies of x in the layouts the paths read.
   std::vector<float> xf;
   std::vector<uint32_t> xhi, xlo;
+  std::vector<int8_t> xq;   // packed int8: x quantised per block (sign and magnitude bytes), scales
+  std::vector<uint8_t> xu;
+  std::vector<float> xs;
   std::vector<float> part;  // partial sums of K slices, [jobs][slices][rows][n]
 };
 
@@ -686,12 +816,14 @@ void RunItem(const Plan& plan, const Item& it, float* acc) {
   const bool dp = plan.isa == kAvx512Bf16 && j.wtype == kBF16;
   TileFn fn = dp ? (plan.split ? DpTile<true>(j.transposed, j.packed, it.rows)
                                 : DpTile<false>(j.transposed, j.packed, it.rows))
-              : j.packed ? PackedTile(plan.isa, it.rows)
+              : j.packed ? PackedTile(plan.isa, j.wtype, it.rows)
               : j.wtype == kF32 ? VectorTile<float>(plan.isa, j.transposed, it.rows)
               : j.wtype == kBF16 ? VectorTile<uint16_t>(plan.isa, j.transposed, it.rows)
                                  : VectorTile<int8_t>(plan.isa, j.transposed, it.rows);
   if (fn) {  // vectorised
     fn(j, it.row0, it.n0, it.n1, it.kb, it.ke, acc);
+  } else if (j.packed && j.wtype == kI8) {
+    ScalarQ8Tile(j, it.row0, it.rows, it.n0, it.n1, it.kb, it.ke, acc);
   } else if (j.packed) {
     ScalarPTile(j, it.row0, it.rows, it.n0, it.n1, it.kb, it.ke, acc);
   } else if (j.wtype == kF32) {
@@ -794,7 +926,8 @@ int64_t BatchIndex(ffi::AnyBuffer::Dimensions d, ffi::AnyBuffer::Dimensions yd, 
 ffi::Error MatmulCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                       std::optional<ffi::AnyBuffer> scale, std::optional<ffi::AnyBuffer> index,
                       ffi::Result<ffi::AnyBuffer> y, int64_t isa_cap, int64_t max_threads,
-                      int64_t tile_cols, int64_t k_slices, bool transposed, bool packed = false) {
+                      int64_t tile_cols, int64_t k_slices, bool transposed, bool packed = false,
+                      int64_t x_block = 0) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() < 2 || wd.size() != xd.size() || yd.size() != xd.size())
     return ffi::Error::InvalidArgument("hj_matmul: x [..., R, K], w [..., K, N], y [..., R, N] of equal rank");
@@ -808,7 +941,13 @@ ffi::Error MatmulCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
     experts = static_cast<const int32_t*>(index->untyped_data());
   }
   const int64_t R = xd[nb], K = xd[nb + 1], N = packed ? yd[nb + 1] : wd[transposed ? nb : nb + 1];
-  if (packed) {  // N comes from y: the panels pad it to a multiple of 32
+  if (packed && x_block > 0) {  // int8 quads
+    if (wd[nb] != (N + 31) / 32 || wd[nb + 1] != (K + 3) / 4 * 128 || yd[nb] != R ||
+        w.element_type() != ffi::DataType::S8 || transposed || x_block % 4 || x_block > 1024)
+      return ffi::Error::InvalidArgument(
+          "hj_matmul_q8: x [..., R, K], w int8 [..., ceil(N / 32), ceil(K / 4) * 128], y [..., R, N], "
+          "x_block a multiple of 4 up to 1024");
+  } else if (packed) {  // N comes from y: the panels pad it to a multiple of 32
     if (wd[nb] != (N + 31) / 32 || wd[nb + 1] != (K + 1) / 2 * 64 || yd[nb] != R ||
         w.element_type() != ffi::DataType::BF16 || transposed)
       return ffi::Error::InvalidArgument(
@@ -857,6 +996,8 @@ ffi::Error MatmulCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   } else {
     plan->xf.resize(total_rows * K);
   }
+  const bool q8 = packed && wtype == hj::kI8;
+  const int64_t k4 = (K + 3) / 4 * 4, blocks = q8 ? (K + x_block - 1) / x_block : 0;
   const void* xs = x.untyped_data();
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t r = 0; r < R; ++r) {
@@ -880,6 +1021,17 @@ ffi::Error MatmulCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
       }
     }
 
+  if (q8) {
+    plan->xq.assign(total_rows * k4, 0);
+    plan->xu.assign(total_rows * k4, 0);
+    plan->xs.resize(total_rows * blocks);
+    for (int64_t r = 0; r < total_rows; ++r)
+      for (int64_t bl = 0; bl < blocks; ++bl)
+        plan->xs[r * blocks + bl] = hj::QuantizeBlock(plan->xf.data() + r * K, bl * x_block,
+                                                      std::min(K, (bl + 1) * x_block), plan->xq.data() + r * k4,
+                                                      plan->xu.data() + r * k4);
+  }
+
   const size_t wbytes = wtype == hj::kF32 ? 4 : wtype == hj::kBF16 ? 2 : 1;
   float* yp = static_cast<float*>(y->untyped_data());
   int64_t live_groups = 0;
@@ -900,6 +1052,10 @@ ffi::Error MatmulCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
     j.x = dp ? nullptr : plan->xf.data() + row_off * K;
     j.xhi = dp ? plan->xhi.data() + row_off * kp : nullptr;
     j.xlo = plan->split ? plan->xlo.data() + row_off * kp : nullptr;
+    j.xq = q8 ? plan->xq.data() + row_off * k4 : nullptr;
+    j.xu = q8 ? plan->xu.data() + row_off * k4 : nullptr;
+    j.xs = q8 ? plan->xs.data() + row_off * blocks : nullptr;
+    j.xblock = x_block;
     const int64_t wi = experts ? experts[g] : w_shared ? 0 : BatchIndex(wd, yd, nb, g);
     const int64_t w_elems = packed ? wd[nb] * wd[nb + 1] : K * N;
     j.w = static_cast<const char*>(w.untyped_data()) + wi * w_elems * wbytes;
@@ -942,8 +1098,10 @@ ffi::Error MatmulCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   int64_t slices = k_slices > 0 ? k_slices : big && !packed ? (4 + tiles - 1) / tiles : 1;
   if (transposed || K < 32) slices = 1;  // transposed tiles read whole rows of K
   if (slices > K / 16) slices = K / 16 > 0 ? K / 16 : 1;
-  // Slice length: whole 16-row blocks (even, so a bf16 pair never straddles two slices).
-  const int64_t ks = ((K + slices - 1) / slices + 15) / 16 * 16;
+  // Slice length: whole 16-row blocks (even, so a bf16 pair never straddles two slices); for
+  // packed int8, whole blocks of x (a block's integer dot is never cut).
+  const int64_t unit = q8 ? x_block * 16 / std::gcd(x_block, int64_t(16)) : 16;
+  const int64_t ks = ((K + slices - 1) / slices + unit - 1) / unit * unit;
   slices = (K + ks - 1) / ks;
   if (slices > 1) {
     plan->part.resize(plan->jobs.size() * slices * rows_per_group * N);
@@ -995,6 +1153,14 @@ ffi::Error MatmulPacked(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
                     /*transposed=*/false, /*packed=*/true);
 }
 
+ffi::Error MatmulQ8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
+                    ffi::Result<ffi::AnyBuffer> y, int64_t isa_cap, int64_t max_threads, int64_t tile_cols,
+                    int64_t k_slices, int64_t x_block) {
+  if (x_block <= 0) return ffi::Error::InvalidArgument("hj_matmul_q8: x_block must be positive");
+  return MatmulCore(pool, x, w, scale, std::nullopt, y, isa_cap, max_threads, tile_cols, k_slices,
+                    /*transposed=*/false, /*packed=*/true, x_block);
+}
+
 ffi::Error MatmulIndexed(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer index,
                          ffi::Result<ffi::AnyBuffer> y, int64_t isa_cap, int64_t max_threads,
                          int64_t tile_cols, int64_t k_slices, bool transposed) {
@@ -1008,6 +1174,7 @@ ffi::Error MatmulIndexed(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer 
 HJ_EXPORT XLA_FFI_Error* HjMatmul(XLA_FFI_CallFrame* call_frame);
 HJ_EXPORT XLA_FFI_Error* HjMatmulIndexed(XLA_FFI_CallFrame* call_frame);
 HJ_EXPORT XLA_FFI_Error* HjMatmulPacked(XLA_FFI_CallFrame* call_frame);
+HJ_EXPORT XLA_FFI_Error* HjMatmulQ8(XLA_FFI_CallFrame* call_frame);
 HJ_EXPORT int HjBestIsa();
 HJ_EXPORT int64_t HjHelperItems();
 HJ_EXPORT uint64_t HjStreamRead(const void* p, int64_t bytes, int threads);
@@ -1096,3 +1263,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HjMatmulPacked, MatmulPacked,
                                   .Attr<int64_t>("max_threads")
                                   .Attr<int64_t>("tile_cols")
                                   .Attr<int64_t>("k_slices"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HjMatmulQ8, MatmulQ8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x [..., R, K]
+                                  .Arg<ffi::AnyBuffer>()  // w int8 [..., ceil(N / 32), ceil(K / 4) * 128]
+                                  .Arg<ffi::AnyBuffer>()  // scale [..., 1, N]
+                                  .Ret<ffi::AnyBuffer>()  // y [..., R, N]
+                                  .Attr<int64_t>("isa")
+                                  .Attr<int64_t>("max_threads")
+                                  .Attr<int64_t>("tile_cols")
+                                  .Attr<int64_t>("k_slices")
+                                  .Attr<int64_t>("x_block"));
