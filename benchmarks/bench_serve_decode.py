@@ -2,6 +2,7 @@
 
     python benchmarks/bench_serve_decode.py [--model-dir DIR] [--dtype float32] [--prompt 32]
         [--new-tokens 128] [--streams 1,4] [--rounds 3] [--max-len 4096] [--profile] [--json OUT]
+        [--llama-server PATH --gguf MODEL.gguf [--threads 2]]
 
 One process, one model (the random Qwen3.5 of bench_generate.py, 228 M params, built into
 --model-dir if absent; a word-level tokenizer of its 32000 ids is written beside it, since the
@@ -15,6 +16,10 @@ server needs one). Greedy, `--new-tokens` after a `--prompt`-token prompt, no st
   server     the same engine behind the app and uvicorn on 127.0.0.1, S concurrent streamed
              `/v1/completions` requests (token-id prompts, `ignore_eos`), timed as `engine` from
              the SSE chunks the client reads
+  llama-server  with --llama-server: llama.cpp's server on a GGUF of the same weights (`-np S`,
+             `-t --threads`), S concurrent streamed `/completion` requests (the same token-id
+             prompts, greedy, `ignore_eos`, no prompt cache), timed as `server` per token; its
+             tokens are compared with generate's (different float arithmetic: a count, not a check)
   compiles   the engine serves once its covering set is compiled and compiles the rest behind
              (`Engine.background_shapes`); timing waits until that is done unless
              --during-compiles (then the rounds run on the covering set's padded decode bucket,
@@ -112,6 +117,53 @@ def stream_one(port: int, name: str, prompt: list[int], n: int) -> tuple[list[fl
     return times, texts, cpu
 
 
+class LlamaServer:
+    """llama.cpp's `llama-server` on a GGUF of the same weights, `slots` parallel sequences, in a
+    subprocess; `stream(prompt, n)` as `stream_one` over its native /completion endpoint (token-id
+    prompt, greedy, `ignore_eos`, no prompt cache), timed per generated token."""
+
+    def __init__(self, binary: str, gguf: str, slots: int, threads: int, ctx_per_slot: int):
+        import subprocess
+
+        import httpx
+
+        self.port = free_port()
+        cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(self.port), "-np", str(slots),
+               "-t", str(threads), "-c", str(slots * ctx_per_slot), "--no-webui"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None:
+                raise SystemExit(f"llama-server exited ({self.proc.returncode}): {' '.join(cmd)}")
+            time.sleep(0.2)
+        raise SystemExit("llama-server did not become healthy in 300 s")
+
+    def stream(self, prompt: list[int], n: int) -> tuple[list[float], list[int], list[float]]:
+        import httpx
+
+        body = dict(prompt=prompt, n_predict=n, temperature=0, ignore_eos=True, stream=True, cache_prompt=False,
+                    return_tokens=True)
+        times, tokens, cpu = [], [], []
+        with httpx.stream("POST", f"http://127.0.0.1:{self.port}/completion", json=body, timeout=600) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    got = json.loads(line[6:]).get("tokens") or []
+                    for t in got:  # one event per token (an event may carry none: the final one)
+                        times.append(time.perf_counter())
+                        cpu.append(time.process_time())
+                        tokens.append(t)
+        return times, tokens, cpu
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
 def rate(firsts: list[float], lasts: list[float], tokens: int) -> float:
     return tokens / (max(lasts) - min(firsts))
 
@@ -171,6 +223,9 @@ def main(argv=None) -> int:
     ap.add_argument("--during-compiles", action="store_true",
                     help="time from when the engine is ready, while the rest of its programs compile behind")
     ap.add_argument("--sections", default="engine,server")
+    ap.add_argument("--llama-server", help="llama.cpp's llama-server binary: its S streams beside ours, each round")
+    ap.add_argument("--gguf", help="GGUF of the same weights and dtype, for --llama-server")
+    ap.add_argument("--threads", type=int, default=2, help="llama-server threads")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
 
@@ -246,6 +301,19 @@ def main(argv=None) -> int:
         cpu = rate([c[0] for _, _, c in res], [c[-1] for _, _, c in res], tokens)
         return (wall, cpu), [x for _, x, _ in res]
 
+    llama = None
+    if a.llama_server:
+        if not a.gguf:
+            raise SystemExit("--llama-server needs --gguf")
+        llama = LlamaServer(a.llama_server, a.gguf, max(streams), a.threads, a.prompt + max(streams) + n + 64)
+
+    def llama_rate(s: int):
+        with cf.ThreadPoolExecutor(s) as ex:
+            res = list(ex.map(lambda i: llama.stream(prompts[i], n), range(s)))
+        tokens = sum(len(t) - 1 for t, _, _ in res)
+        wall = rate([t[0] for t, _, _ in res], [t[-1] for t, _, _ in res], tokens)
+        return (wall, float("nan")), [x for _, x, _ in res]
+
     ref = {}  # the tokens of each prompt, from generate (batch 1)
     for i in range(max(streams)):
         ref[i] = hg.generate(params, cfg, [prompts[i]], max_new_tokens=n, stop_ids=()).token_lists()[0]
@@ -256,6 +324,9 @@ def main(argv=None) -> int:
         if server:
             texts = srv_rate(s)[1]
             same[("server", s)] = ["".join(t) == tok.decode(ref[i]) for i, t in enumerate(texts)] == [True] * s
+        if llama:  # its float arithmetic differs from ours: how many of its tokens match, not a check
+            equal = sum(t == ref[i] for i, t in enumerate(llama_rate(s)[1]))
+            same[("llama-server", s)] = f"{equal}/{s} equal"
     lib_rate()
 
     results = collections.defaultdict(list)  # path -> [(wall tok/s, cpu tok/s, wall x, cpu x)] per round
@@ -263,8 +334,9 @@ def main(argv=None) -> int:
         base = lib_rate()[0]
         results["generate"].append(base + (1.0, 1.0))
         for s in streams:
-            for kind, fn in (("engine", eng_rate), ("server", srv_rate if server else None)):
-                if kind in sections and fn is not None:
+            for kind, fn in (("engine", eng_rate), ("server", srv_rate if server else None),
+                             ("llama-server", llama_rate if llama else None)):
+                if (kind in sections or kind == "llama-server") and fn is not None:
                     v = fn(s)[0]
                     results[f"{kind} x{s}"].append(v + (v[0] / base[0], v[1] / base[1]))
         print(f"round {r}: " + ", ".join(f"{k} {v[-1][0]:.1f}" for k, v in results.items())
@@ -282,6 +354,11 @@ def main(argv=None) -> int:
         print(f"{k:<12} {med[0]:>7.1f} {med[2]:>9.2f}x {med[1]:>10.1f} {med[3]:>9.2f}x {str(ok):>12}")
         rows.append(dict(path=k, tok_s=med[0], ratio=med[2], cpu_tok_s=med[1], cpu_ratio=med[3], same=ok))
 
+    by_path = {r["path"]: r["tok_s"] for r in rows}
+    for s in streams:
+        if f"llama-server x{s}" in by_path and f"server x{s}" in by_path:
+            print(f"server x{s} / llama-server x{s}: {by_path[f'server x{s}'] / by_path[f'llama-server x{s}']:.2f}x")
+
     if a.profile:
         for s in streams:
             with Profile(engine) as p:
@@ -292,6 +369,8 @@ def main(argv=None) -> int:
                 print(f"  {label:<26} {sec / tokens * 1e3:7.2f} ms")
     if server:
         server.stop()
+    if llama:
+        llama.stop()
     engine.stop()
     if a.json:
         Path(a.json).write_text(json.dumps(dict(rows=rows, load=loadavg()), indent=1))
