@@ -118,22 +118,23 @@ def forced_logits(params, cfg, prompt, steps, tokens=None):
     return np.stack(out), fed
 
 
+@pytest.mark.parametrize("mode", ["int8-wo", "int8-dot"])
 @pytest.mark.parametrize("arch, dtype", [("qwen3_5_dense", "float32"), ("qwen3_next_moe", "float32"),
                                          ("qwen3_5_dense", "bfloat16")])
-def test_int8_model_against_float32(arch, dtype, loaded):
+def test_int8_model_against_float32(arch, dtype, mode, loaded):
     """Teacher-forced on the unquantised model's greedy tokens (prefill through XLA's widened
-    matmul, then decode steps through the kernel): the int8 model's logits within 2% of the
-    range (module docstring; in bfloat16 both sides round activations alike), greedy tokens
-    mostly equal."""
+    matmul, then decode steps through the kernel: weight-only, or int8 x int8 with x rounded per
+    block): the int8 model's logits within 2% of the range (module docstring; in bfloat16 both
+    sides round activations alike), greedy tokens mostly equal."""
     cfg, params = loaded[arch]
     params = hybridjax.params.cast_params(params, dtype)
-    q = cpu_kernels.quantize_params(params, "int8-wo")
+    q = cpu_kernels.quantize_params(params, mode)
     prompt = np.random.RandomState(3).randint(0, cfg.vocab_size, 9).tolist()
     ref, tokens = forced_logits(params, cfg, prompt, 7)
     got, _ = forced_logits(q, cfg, prompt, 7, tokens)
     err = rel_err(got, ref)
     agree = (got.argmax(-1) == ref.argmax(-1)).mean()
-    print(f"{arch} {dtype}: int8 vs unquantised logits, max |diff| / max |logit| = {err:.4f}, argmax agree {agree:.2f}")
+    print(f"{arch} {dtype}: {mode} vs unquantised logits, max |diff| / max |logit| = {err:.4f}, argmax agree {agree:.2f}")
     assert err < 2e-2, err
     assert agree >= 0.75, (got.argmax(-1), ref.argmax(-1))
 

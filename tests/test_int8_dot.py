@@ -9,7 +9,7 @@ Tolerances.
   column's scale. Each of those <= 2 * blocks + 1 roundings errs by at most 2^-24 of the running
   |sum|, itself at most A = sum_b |dot_b * d_b| * scale: we allow (2 * blocks + 2) * 2^-24 * A.
   A wrong quantised value or a lost quad would move y by about d_b * |q| >> that bound.
-- Model vs float32: the same as weight-only int8 (tests/test_int8.py) plus x rounded to int8 per
+- Model vs float32 (tests/test_int8.py, both modes): as weight-only int8, plus x rounded to int8 per
   block of 32, half a step of max |x_block| / 127 per value: about as much error again as the
   weights' rounding, so still far inside 2% of the logit range; greedy tokens mostly equal.
 """
@@ -181,26 +181,6 @@ def test_int8_dot_model_on_every_path(isa, loaded, monkeypatch):
     err = float(np.abs(ours - ref).max() / np.abs(ref).max())
     assert err < 1e-5, (isa, err)
     np.testing.assert_array_equal(ours.argmax(-1), ref.argmax(-1))
-
-
-@pytest.mark.parametrize("arch, dtype", [("qwen3_5_dense", "float32"), ("qwen3_next_moe", "float32"),
-                                         ("qwen3_5_dense", "bfloat16")])
-def test_int8_dot_model_against_float32(arch, dtype, loaded):
-    """Teacher-forced like tests/test_int8.py: logits within 2% of the range of the unquantised
-    model's (module docstring), greedy tokens mostly equal."""
-    from test_int8 import forced_logits
-
-    cfg, params = loaded[arch]
-    params = hybridjax.params.cast_params(params, dtype)
-    q = cpu_kernels.quantize_params(params, "int8-dot")
-    prompt = np.random.RandomState(3).randint(0, cfg.vocab_size, 9).tolist()
-    ref, tokens = forced_logits(params, cfg, prompt, 7)
-    got, _ = forced_logits(q, cfg, prompt, 7, tokens)
-    err = float(np.abs(got - ref).max() / np.abs(ref).max())
-    agree = (got.argmax(-1) == ref.argmax(-1)).mean()
-    print(f"{arch} {dtype}: int8-dot vs unquantised logits, max |diff| / max |logit| = {err:.4f}, agree {agree:.2f}")
-    assert err < 2e-2, err
-    assert agree >= 0.75, (got.argmax(-1), ref.argmax(-1))
 
 
 def test_load_and_cli_int8_dot(hf_dirs, capsys):
