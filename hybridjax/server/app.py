@@ -310,7 +310,7 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
             raise APIError(400, f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds the context of {limit} tokens",
                            param="max_tokens", code="context_length_exceeded")
         vocab = engine.cfg.vocab_size
-        bad = [t for t in prompt_ids if t >= vocab]
+        bad = [t for t in prompt_ids if t >= vocab] if prompt_ids and max(prompt_ids) >= vocab else []  # max: in C
         if bad:
             raise APIError(400, f"token id {bad[0]} is outside the vocabulary", param="prompt")
         for param, ids in (("stop_token_ids", req.stop_token_ids or ()), ("logit_bias", [t for t, _ in req.bias_pairs()])):
