@@ -144,14 +144,3 @@ def test_the_cache_is_bounded():
         assert cache._tokens <= 100
     assert all(len(ids) <= 30 for ids in cache._ids.values())
 
-
-def test_common_prefix_matches_the_element_loop():
-    from hybridjax.server.chat_reuse import common_prefix
-
-    rng = random.Random(1)
-    for _ in range(2000):
-        a = [rng.randint(0, 3) for _ in range(rng.randint(0, 3000))]
-        b = a[: rng.randint(0, len(a))] + [rng.randint(0, 3) for _ in range(rng.randint(0, 40))]
-        want = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), min(len(a), len(b)))
-        for block in (1, 7, 1024):
-            assert common_prefix(a, b, block) == common_prefix(tuple(b), a, block) == want

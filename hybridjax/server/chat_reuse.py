@@ -17,20 +17,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from hybridjax.scheduler import common_prefix
+
 # Two user messages that differ from their first character on.
 _PLACEHOLDERS = ("A", "Z")
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int], block: int = 1024) -> int:
-    """Length of the longest common prefix; compares slices a block at a time (in C: a 32k-token
-    transcript's two renderings compare in well under a millisecond), then the differing block."""
-    a, b = (x if isinstance(x, list) else list(x) for x in (a, b))  # a slice of a list equals only a list
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i : i + block] == b[i : i + block]:
-        i += block
-    end = min(i + block, n)
-    return next((j for j in range(i, end) if a[j] != b[j]), end)
 
 
 def next_turn_prefix(tokenizer, messages: list[dict], answer: dict, **template_kwargs) -> list[int] | None:
