@@ -269,9 +269,13 @@ class SnapshotStore:
         queued for writing unless `persist` is False (it came from disk)."""
         if kind not in KINDS:
             raise ValueError(f"snapshot kind must be one of {KINDS}, got {kind!r}")
-        tokens = tuple(map(int, tokens))  # Python ints (numpy's would pickle as numpy)
+        # One conversion in C (a 28k-token list: ~1 ms, against ~3 ms through int() per token): the
+        # key's Python ints (numpy's would pickle as numpy) and the int32 array lookups compare.
+        array = np.asarray(tokens, np.int64)
+        tokens = tuple(array.tolist())
         now = self.clock()
-        snap = Snapshot(tokens, cache, logits, namespace, kind, now, now, pages=tuple(int(p) for p in pages))
+        snap = Snapshot(tokens, cache, logits, namespace, kind, now, now, pages=tuple(int(p) for p in pages),
+                        _array=as_array(array))
         with self._lock:
             key = (namespace, tokens)
             if key in self._entries:
