@@ -95,12 +95,18 @@ class Tokenizer:
         at least n / max_token_chars tokens, known without tokenizing it."""
         return max(1, max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1))
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False, *, scope: str = "") -> list[int]:
         """The backend's ids for `text`. Without special-token additions, through the segment cache:
-        a chat transcript resent each turn tokenizes only the segments it has not seen."""
+        a chat transcript resent each turn tokenizes only the segments it has not seen. `scope`: whose
+        segments (the server: the request's cache namespace, so that the time of one client's
+        request cannot tell whether another sent the same text, as its prefix cache cannot)."""
         if add_special_tokens:
             return self.backend.encode(text, add_special_tokens=True).ids
-        return self._segments.encode(self.backend, text)
+        return self._segments.encode(self.backend, text, scope)
+
+    def scoped(self, scope: str) -> "ScopedTokenizer":
+        """This tokenizer, encoding in `scope`'s segments (see `encode`)."""
+        return ScopedTokenizer(self, scope)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -137,9 +143,26 @@ class Tokenizer:
         return self.encode(self.render_chat(messages, add_generation_prompt, **kwargs))
 
 
+class ScopedTokenizer:
+    """A Tokenizer whose encodes use one scope of its segment cache: what history_boundary and
+    chat_reuse.next_turn_prefix are given (the scope is not a template argument a client could set)."""
+
+    def __init__(self, tokenizer: Tokenizer, scope: str):
+        self.tokenizer, self.scope = tokenizer, scope
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        return self.tokenizer.render_chat(messages, add_generation_prompt, **kwargs)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens, scope=self.scope)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+        return self.encode(self.render_chat(messages, add_generation_prompt, **kwargs))
+
+
 class SegmentCache:
     """Encodes a text as the concatenation of its segments' ids, each segment's ids kept (LRU,
-    bounded in tokens) for the next text that contains it.
+    bounded in tokens, per scope) for the next text of that scope that contains it.
 
     Exact because the `tokenizers` library itself cuts a text at its added tokens (leftmost, longest
     first) before normalizing and pre-tokenizing, and encodes each piece between them on its own.
@@ -149,12 +172,12 @@ class SegmentCache:
 
     def __init__(self, max_tokens: int = 1 << 20, max_piece_tokens: int = 1 << 16):
         self.max_tokens, self.max_piece_tokens = max_tokens, max_piece_tokens
-        self._ids: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._ids: OrderedDict[tuple[str, str], tuple[int, ...]] = OrderedDict()  # (scope, piece) -> ids
         self._tokens = 0
         self._lock = threading.Lock()  # the server encodes in worker threads
         self._key, self._split = None, None
 
-    def encode(self, backend: _HFTokenizer, text: str) -> list[int]:
+    def encode(self, backend: _HFTokenizer, text: str, scope: str = "") -> list[int]:
         split = self._splitter(backend)
         if split is None:
             return backend.encode(text, add_special_tokens=False).ids
@@ -163,23 +186,24 @@ class SegmentCache:
             if special_id is not None:
                 out.append(special_id)
                 continue
+            key = (scope, piece)
             with self._lock:
-                ids = self._ids.get(piece)
+                ids = self._ids.get(key)
                 if ids is not None:
-                    self._ids.move_to_end(piece)
+                    self._ids.move_to_end(key)
             if ids is None:
                 ids = tuple(backend.encode(piece, add_special_tokens=False).ids)
-                self._keep(piece, ids)
+                self._keep(key, ids)
             out.extend(ids)
         return out
 
-    def _keep(self, piece: str, ids: tuple[int, ...]) -> None:
+    def _keep(self, key: tuple[str, str], ids: tuple[int, ...]) -> None:
         if len(ids) > self.max_piece_tokens:
             return
         with self._lock:
-            if piece in self._ids:
+            if key in self._ids:
                 return
-            self._ids[piece] = ids
+            self._ids[key] = ids
             self._tokens += len(ids)
             while self._tokens > self.max_tokens:
                 self._tokens -= len(self._ids.popitem(last=False)[1])

@@ -144,3 +144,28 @@ def test_the_cache_is_bounded():
         assert cache._tokens <= 100
     assert all(len(ids) <= 30 for ids in cache._ids.values())
 
+
+
+def test_scopes_do_not_share_segments(agent_tok):
+    """The server encodes in the request's cache namespace: a text one client sent is not a
+    (faster) hit for another, whose request's timing could otherwise tell it was sent."""
+    backend = agent_tok.backend
+    calls = []
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(backend, name)
+
+        def encode(self, text, **k):
+            calls.append(text)
+            return backend.encode(text, **k)
+
+    cache = SegmentCache()
+    text = "<|im_start|>user\nthe same document<|im_end|>\n"
+    assert cache.encode(Counting(), text, "key-a:") == plain(backend, text)
+    n = len(calls)
+    assert cache.encode(Counting(), text, "key-a:") == plain(backend, text) and len(calls) == n  # a hit
+    assert cache.encode(Counting(), text, "key-b:") == plain(backend, text) and len(calls) == 2 * n  # not one
+    scoped = agent_tok.scoped("key-c:")
+    assert scoped.encode(text) == agent_tok.encode(text, scope="key-c:") == plain(backend, text)
+    assert ("key-c:", "user\nthe same document") in agent_tok._segments._ids
