@@ -1,11 +1,12 @@
 """Coding-agent transcripts replayed through /v1/chat/completions with `tools`, cache on and defeated.
 
     python benchmarks/bench_agent.py [--rounds 10] [--tool-tokens 250,320] [--traces 1] [--gap 0]
-                                     [--executable-dir DIR] [--json OUT]
+                                     [--max-len 4096] [--executable-dir DIR] [--json OUT]
 
 The server runs in this process (uvicorn in a thread, as tests/test_server.py does), on the embedded
 default model (float32, 8 layers, hidden 256, vocab 4096, context 4096), every shape compiled
-before the first request (the server is ready sooner and compiles the rest behind: the replay
+before the first request (--max-len: a longer context than the model's 4096 positions, for
+transcripts of 16k-32k tokens where the host's per-request costs show; the server is ready sooner and compiles the rest behind: the replay
 waits for that); the client (httpx, streaming, one kept-alive connection per replay) runs in the
 same process and mostly waits.
 
@@ -28,6 +29,7 @@ of the two replays are compared turn by turn: a cache hit must not change them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import threading
@@ -152,6 +154,16 @@ def replay(url: str, requests: list[list[dict]], salt: str | None, gap: float, e
     return out
 
 
+def agent_server_config(max_len: int | None):
+    """(cfg, params, tokenizer, ServerConfig) of the replay: the default model with the
+    reasoning-dropping template, one slot, a context of `max_len` tokens (None: the model's)."""
+    cfg, params, tok0 = default_model()
+    if max_len:  # RoPE has no table: more positions only change the bound
+        cfg = dataclasses.replace(cfg, max_position_embeddings=max(max_len, cfg.max_position_embeddings))
+    tok = Tokenizer(tok0.backend, reasoning_dropping_template(), tok0.special_tokens, tok0.eos_token_ids)
+    return cfg, params, tok, ServerConfig(slots=1, max_len=max_len or cfg.max_position_embeddings, warmup=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=10)
@@ -161,14 +173,15 @@ def main(argv=None) -> int:
                     help="seconds between an answer and the next request (the tool running); not in the totals")
     ap.add_argument("--executable-dir", default=None,
                     help="keep the compiled programs here between runs (a rerun loads them: quicker start-up)")
+    ap.add_argument("--max-len", type=int, default=None,
+                    help="the server's context in tokens (default: the model's, 4096); more raises the model's")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     tool_tokens = tuple(int(x) for x in args.tool_tokens.split(","))
     with open("/proc/loadavg") as f:
         print("load average at start:", f.read().split()[:3])
-    cfg, params, tok0 = default_model()
-    tok = Tokenizer(tok0.backend, reasoning_dropping_template(), tok0.special_tokens, tok0.eos_token_ids)
-    sc = ServerConfig(slots=1, max_len=cfg.max_position_embeddings, warmup=True, executable_dir=args.executable_dir)
+    cfg, params, tok, sc = agent_server_config(args.max_len)
+    sc.executable_dir = args.executable_dir
     engine, _ = build_engine(sc, cfg, params, tok, DEFAULT_NAME)
     port = 18000 + random.randint(0, 999)
     url = f"http://127.0.0.1:{port}"

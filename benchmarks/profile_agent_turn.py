@@ -32,11 +32,10 @@ import httpx
 import jax
 
 import bench_agent
-from bench_agent import reasoning_dropping_template, trace
-from hybridjax.default_model import DEFAULT_NAME, default_model
-from hybridjax.server import ServerConfig, create_app
+from bench_agent import trace
+from hybridjax.default_model import DEFAULT_NAME
+from hybridjax.server import create_app
 from hybridjax.server.app import build_engine
-from hybridjax.tokenizer import Tokenizer
 
 EVENTS: list[tuple] = []  # (t_start, t_end, what, detail)
 
@@ -142,12 +141,11 @@ def main(argv=None) -> int:
     ap.add_argument("--ab", type=int, default=0, help="replays of each chunk plan (planned, plain), interleaved")
     ap.add_argument("--checkpoint-interval", type=int, default=None)
     ap.add_argument("--executable-dir", default=None, help="keep compiled programs here between runs")
+    ap.add_argument("--max-len", type=int, default=None, help="the server's context (bench_agent --max-len)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     tool_tokens = tuple(int(x) for x in args.tool_tokens.split(","))
-    cfg, params, tok0 = default_model()
-    tok = Tokenizer(tok0.backend, reasoning_dropping_template(), tok0.special_tokens, tok0.eos_token_ids)
-    sc = ServerConfig(slots=1, max_len=cfg.max_position_embeddings, warmup=True)
+    cfg, params, tok, sc = bench_agent.agent_server_config(args.max_len)
     sc.executable_dir = args.executable_dir
     if args.checkpoint_interval is not None:
         sc.checkpoint_interval = args.checkpoint_interval

@@ -73,13 +73,22 @@ def bucket(n: int, sizes: Sequence[int]) -> int:
     return next(b for b in sizes if b >= n)
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int], block: int = 1024) -> int:
+    """Length of the longest common prefix; compares slices a block at a time (in C: two 32k-token
+    prompts compare in well under a millisecond), then the differing block one id at a time."""
+    a, b = (x if isinstance(x, list) else list(x) for x in (a, b))  # a slice of a list equals only a list
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i : i + block] == b[i : i + block]:
+        i += block
+    end = min(i + block, n)
+    return next((j for j in range(i, end) if a[j] != b[j]), end)
+
+
 def shared_prefix(others: Sequence[GenerationRequest], req: GenerationRequest) -> int:
     """The longest prefix `req`'s prompt shares with a prompt of `others` in its namespace."""
-    def common(a, b):
-        n = min(len(a), len(b))
-        return next((i for i in range(n) if a[i] != b[i]), n)
-
-    return max((common(o.prompt_ids, req.prompt_ids) for o in others if o.namespace == req.namespace), default=0)
+    return max((common_prefix(o.prompt_ids, req.prompt_ids) for o in others if o.namespace == req.namespace),
+               default=0)
 
 
 def safe_split(text: str, stops: Sequence[str]) -> tuple[str, str]:

@@ -13,6 +13,9 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+import re
+import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -58,6 +61,7 @@ class Tokenizer:
         self.special_tokens = {k: v for k, v in special_tokens.items() if v is not None}
         self.eos_token_ids = tuple(dict.fromkeys(eos_token_ids))
         self._template = _environment().from_string(chat_template) if chat_template else None
+        self._segments = SegmentCache()
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, eos_token_ids: Iterable[int] = ()) -> "Tokenizer":
@@ -91,8 +95,18 @@ class Tokenizer:
         at least n / max_token_chars tokens, known without tokenizing it."""
         return max(1, max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1))
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = False, *, scope: str = "") -> list[int]:
+        """The backend's ids for `text`. Without special-token additions, through the segment cache:
+        a chat transcript resent each turn tokenizes only the segments it has not seen. `scope`: whose
+        segments (the server: the request's cache namespace, so that the time of one client's
+        request cannot tell whether another sent the same text, as its prefix cache cannot)."""
+        if add_special_tokens:
+            return self.backend.encode(text, add_special_tokens=True).ids
+        return self._segments.encode(self.backend, text, scope)
+
+    def scoped(self, scope: str) -> "ScopedTokenizer":
+        """This tokenizer, encoding in `scope`'s segments (see `encode`)."""
+        return ScopedTokenizer(self, scope)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -127,6 +141,113 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
         return self.encode(self.render_chat(messages, add_generation_prompt, **kwargs))
+
+
+class ScopedTokenizer:
+    """A Tokenizer whose encodes use one scope of its segment cache: what history_boundary and
+    chat_reuse.next_turn_prefix are given (the scope is not a template argument a client could set)."""
+
+    def __init__(self, tokenizer: Tokenizer, scope: str):
+        self.tokenizer, self.scope = tokenizer, scope
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        return self.tokenizer.render_chat(messages, add_generation_prompt, **kwargs)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens, scope=self.scope)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+        return self.encode(self.render_chat(messages, add_generation_prompt, **kwargs))
+
+
+class SegmentCache:
+    """Encodes a text as the concatenation of its segments' ids, each segment's ids kept (LRU,
+    bounded in tokens, per scope) for the next text of that scope that contains it.
+
+    Exact because the `tokenizers` library itself cuts a text at its added tokens (leftmost, longest
+    first) before normalizing and pre-tokenizing, and encodes each piece between them on its own.
+    Where that does not hold plainly (an added token that strips its neighbours' whitespace or
+    matches single words only, or one matched after a normalizer) the whole text is encoded as is.
+    """
+
+    def __init__(self, max_tokens: int = 1 << 20, max_piece_tokens: int = 1 << 16):
+        self.max_tokens, self.max_piece_tokens = max_tokens, max_piece_tokens
+        self._ids: OrderedDict[tuple[str, str], tuple[int, ...]] = OrderedDict()  # (scope, piece) -> ids
+        self._tokens = 0
+        self._lock = threading.Lock()  # the server encodes in worker threads
+        self._key, self._split = None, None
+
+    def encode(self, backend: _HFTokenizer, text: str, scope: str = "") -> list[int]:
+        split = self._splitter(backend)
+        if split is None:
+            return backend.encode(text, add_special_tokens=False).ids
+        out: list[int] = []
+        for piece, special_id in split(text):
+            if special_id is not None:
+                out.append(special_id)
+                continue
+            key = (scope, piece)
+            with self._lock:
+                ids = self._ids.get(key)
+                if ids is not None:
+                    self._ids.move_to_end(key)
+            if ids is None:
+                ids = tuple(backend.encode(piece, add_special_tokens=False).ids)
+                self._keep(key, ids)
+            out.extend(ids)
+        return out
+
+    def _keep(self, key: tuple[str, str], ids: tuple[int, ...]) -> None:
+        if len(ids) > self.max_piece_tokens:
+            return
+        with self._lock:
+            if key in self._ids:
+                return
+            self._ids[key] = ids
+            self._tokens += len(ids)
+            while self._tokens > self.max_tokens:
+                self._tokens -= len(self._ids.popitem(last=False)[1])
+
+    def _splitter(self, backend: _HFTokenizer):
+        """The text -> [(piece, added token id or None)] function for the backend's added tokens
+        now (a token added later makes a new one, and forgets the pieces)."""
+        key = backend.get_vocab_size(with_added_tokens=True)
+        if key != self._key:
+            split = added_token_splitter(backend)
+            with self._lock:
+                self._key, self._split = key, split
+                self._ids.clear()
+                self._tokens = 0
+        return self._split
+
+
+def added_token_splitter(backend: _HFTokenizer):
+    """A function cutting a text where `backend` cuts it at added tokens, or None where that is not
+    a plain string match (see SegmentCache)."""
+    added = list(backend.get_added_tokens_decoder().items())
+    if any(t.lstrip or t.rstrip or t.single_word for _, t in added):
+        return None
+    if backend.normalizer is not None and any(t.normalized for _, t in added):
+        return None
+    ids = {t.content: i for i, t in added}
+    # tokenizers matches the tokens that skip the normalizer first, then the others in what is left.
+    passes = [_alternation([t.content for _, t in added if t.normalized is n]) for n in (False, True)]
+
+    def split(text: str) -> list[tuple[str, int | None]]:
+        pieces = [text]
+        for rx in passes:
+            if rx is not None:
+                pieces = [q for p in pieces for q in (rx.split(p) if p not in ids else (p,))]
+        return [(p, ids.get(p)) for p in pieces if p]
+
+    return split
+
+
+def _alternation(tokens: list[str]):
+    """A regex whose split keeps the tokens, the longest first at each position (leftmost-longest)."""
+    if not tokens:
+        return None
+    return re.compile("(" + "|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)) + ")")
 
 
 def _read_json(path: Path) -> dict:

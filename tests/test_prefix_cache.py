@@ -419,3 +419,33 @@ def test_history_boundary_on_a_three_turn_chat(tok):
     assert history_boundary(tok, chat[:1], tok.encode_chat(chat[:1])) is None  # no history
     assert history_boundary(tok, chat, tok.encode("something else entirely, long enough")) is None
     assert history_boundary(tok, [{"role": "assistant", "content": "x"}], [1, 2, 3]) is None
+
+
+def test_random_operations_keep_lru_order_longest_prefix_and_byte_count():
+    """Against a plain model of the store: its LRU order after hits and re-inserts, the longest
+    stored prefix on every lookup, and its running byte count equal to a recount."""
+    import random
+
+    rng = random.Random(0)
+    shared = [tiny(float(i)) for i in range(3)]  # some snapshots share their buffers
+    s = SnapshotStore("m", max_entries=12, policy="lru", max_bytes=10 * TINY_BYTES)
+    order: list[tuple[int, ...]] = []  # the model: keys, least recently used first
+    for _ in range(600):
+        base = rng.choice([t for t in order] or [()])
+        toks = base[: rng.randint(0, len(base))] + tuple(rng.randint(0, 2) for _ in range(rng.randint(1, 4)))
+        if rng.random() < 0.5:
+            s.insert(list(toks), rng.choice(shared + [tiny(rng.random())]), logits(), kind="checkpoint")
+            if toks in order:
+                order.remove(toks)
+            order.append(toks)
+        else:
+            hit = s.lookup(np.asarray(toks))
+            want = max((t for t in order if toks[: len(t)] == t), key=len, default=None)
+            assert (hit.snapshot.tokens if hit.snapshot else None) == want
+            if want is not None:
+                order.remove(want)
+                order.append(want)
+        kept = {x.tokens for x in s.snapshots()}
+        order = [t for t in order if t in kept]  # evictions take the least recently used
+        assert [x.tokens for x in s.snapshots()] == order
+        assert s.nbytes == sum(b for _, b, _ in s._buffers.values())

@@ -11,7 +11,7 @@ import pytest
 
 from hybridjax.engine_requests import GenerationRequest, QueueFull, RequestHandle
 from hybridjax.pages import PagePool
-from hybridjax.scheduler import Scheduler, Slot, buckets, checkpoint_positions, first_piece, safe_split
+from hybridjax.scheduler import Scheduler, Slot, buckets, checkpoint_positions, common_prefix, first_piece, safe_split
 
 PAGE = 16
 WIDTHS = {1: [16, 32, 64], 2: [16, 32]}  # rows -> compiled prefill chunk widths
@@ -301,3 +301,15 @@ def test_idle_time_work_being_prefilled_yields_its_row_to_a_waiting_request():
     s.enqueue(handle(range(300, 310)))  # does not continue it: the row goes
     s.yield_idle_work()
     assert s.rows == [busy, None] and wish.handle.finish_reason == "cancelled"
+
+
+def test_common_prefix_matches_the_element_loop():
+    import random
+
+    rng = random.Random(1)
+    for _ in range(2000):
+        a = [rng.randint(0, 3) for _ in range(rng.randint(0, 3000))]
+        b = a[: rng.randint(0, len(a))] + [rng.randint(0, 3) for _ in range(rng.randint(0, 40))]
+        want = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), min(len(a), len(b)))
+        for block in (1, 7, 1024):
+            assert common_prefix(a, b, block) == common_prefix(tuple(b), a, block) == want

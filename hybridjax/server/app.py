@@ -310,7 +310,7 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
             raise APIError(400, f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds the context of {limit} tokens",
                            param="max_tokens", code="context_length_exceeded")
         vocab = engine.cfg.vocab_size
-        bad = [t for t in prompt_ids if t >= vocab]
+        bad = [t for t in prompt_ids if t >= vocab] if prompt_ids and max(prompt_ids) >= vocab else []  # max: in C
         if bad:
             raise APIError(400, f"token id {bad[0]} is outside the vocabulary", param="prompt")
         for param, ids in (("stop_token_ids", req.stop_token_ids or ()), ("logit_bias", [t for t, _ in req.bias_pairs()])):
@@ -438,7 +438,7 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
             return
 
         def work():
-            prefix = next_turn_prefix(tok, messages, answer, **kwargs)
+            prefix = next_turn_prefix(tok.scoped(namespace), messages, answer, **kwargs)
             if prefix and len(prefix) < engine.max_len and needs_prefill(prefix, list(prompt_ids) + h.token_ids):
                 engine.prefill_in_background(prefix, namespace, delay_s=NEXT_TURN_DELAY_S)
 
@@ -475,12 +475,12 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
             if opening:
                 text += fmt.close_thinking(text) + opening
             check_length(len(text), "messages")
-            ids = tok.encode(text)
-            return ids, history_boundary(tok, messages, ids, **kwargs)
+            ids = tok.encode(text, scope=ns)
+            return ids, history_boundary(tok.scoped(ns), messages, ids, **kwargs)
 
         grammar = await request_grammar(req, tools, req.tool_choice)
+        ns = namespace + ":" + (req.cache_salt or "")  # the cache namespace: the tokenizer's segments' too
         prompt_ids, history = await asyncio.to_thread(encode)
-        ns = namespace + ":" + (req.cache_salt or "")
         handles = submit(engine_requests(req, prompt_ids, req.max_completion_tokens or req.max_tokens, namespace,
                                          history, (req.top_logprobs or 0) if req.logprobs else None, grammar))
         rid, now = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
@@ -566,7 +566,7 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
             prompt_ids = list(req.prompt)
         else:
             check_length(len(req.prompt), "prompt")
-            prompt_ids = await asyncio.to_thread(tok.encode, req.prompt)
+            prompt_ids = await asyncio.to_thread(tok.encode, req.prompt, scope=namespace + ":" + (req.cache_salt or ""))
         grammar = await request_grammar(req)
         greqs = engine_requests(req, prompt_ids, req.max_tokens, namespace, logprobs=req.logprobs, grammar=grammar)
         echo = ((req.prompt if isinstance(req.prompt, str) else await asyncio.to_thread(tok.decode, prompt_ids))

@@ -17,13 +17,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from hybridjax.scheduler import common_prefix
+
 # Two user messages that differ from their first character on.
 _PLACEHOLDERS = ("A", "Z")
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def next_turn_prefix(tokenizer, messages: list[dict], answer: dict, **template_kwargs) -> list[int] | None:

@@ -234,7 +234,7 @@ def install(app, h) -> ResponseStore:
             if opening:
                 text += fmt.close_thinking(text) + opening
             h.check_length(len(text), "input")
-            return tok.encode(text)
+            return tok.encode(text, scope=ns)
 
         prompt_ids = await asyncio.to_thread(encode)
         (handle,) = h.submit(h.engine_requests(chat, prompt_ids, req.max_output_tokens, key_ns, grammar=grammar))
