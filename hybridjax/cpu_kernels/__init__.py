@@ -479,41 +479,54 @@ def matmul_q8(x, p, scale, n: int, *, isa: str | None = None, max_threads: int |
                       int(max_threads), int(tile_cols), int(k_slices), int(x_block))
 
 
+class _DecodeLayout:
+    """A weight kept in a decode layout beside the array XLA reads (`main`): shape, dtype and ndim
+    are that array's; a pytree of `fields`, in the constructor's order."""
+
+    fields: tuple[str, ...] = ()
+
+    @property
+    def main(self):
+        return getattr(self, self.fields[0])
+
+    @property
+    def shape(self):
+        return self.main.shape
+
+    @property
+    def dtype(self):
+        return self.main.dtype
+
+    @property
+    def ndim(self):
+        return self.main.ndim
+
+    def tree_flatten(self):
+        return tuple(getattr(self, f) for f in self.fields), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
+
+
 @jax.tree_util.register_pytree_node_class
-class PackedWeight:
+class PackedWeight(_DecodeLayout):
     """A bfloat16 weight [K, N] kept twice: `w` as is (prefill's XLA matmuls, and any other
     reader) and `panels = pack_bf16(w)` (decode's `matmul_packed`). `hybridjax.ops.dense` takes
     it in place of w. Costs a second copy of the weight (a bf16 model then holds as many bytes
     as a float32 one); buys a faster decode (benchmarks/README.md)."""
 
+    fields = ("w", "panels")
+
     def __init__(self, w, panels):
         self.w, self.panels = w, panels
-
-    @property
-    def shape(self):
-        return self.w.shape
-
-    @property
-    def dtype(self):
-        return self.w.dtype
-
-    @property
-    def ndim(self):
-        return self.w.ndim
-
-    def tree_flatten(self):
-        return (self.w, self.panels), None
-
-    @classmethod
-    def tree_unflatten(cls, _, children):
-        return cls(*children)
 
     def __repr__(self):
         return f"PackedWeight(shape={self.shape}, dtype={self.dtype})"
 
 
 @jax.tree_util.register_pytree_node_class
-class Int8Weight:
+class Int8Weight(_DecodeLayout):
     """A weight [K, N] kept as int8 `q` [K, N] with one float32 `scale` [N] per output column
     (`quantize_int8`): it stands for `q * scale`. `hybridjax.ops.dense` takes it in place of w:
     decode rows stream q through the kernel's int8 path (a quarter of float32's bytes), more rows
@@ -523,27 +536,10 @@ class Int8Weight:
     the activations to int8 too and multiplies integers (the "int8-dot" layout). It is a second
     copy of q (2 bytes per weight in all, half of bfloat16's): prefill keeps reading q."""
 
+    fields = ("q", "scale", "panels")
+
     def __init__(self, q, scale, panels=None):
         self.q, self.scale, self.panels = q, scale, panels
-
-    @property
-    def shape(self):
-        return self.q.shape
-
-    @property
-    def dtype(self):
-        return self.q.dtype
-
-    @property
-    def ndim(self):
-        return self.q.ndim
-
-    def tree_flatten(self):
-        return (self.q, self.scale, self.panels), None
-
-    @classmethod
-    def tree_unflatten(cls, _, children):
-        return cls(*children)
 
     def __repr__(self):
         return f"Int8Weight(shape={self.shape}{', int8-dot' if self.panels is not None else ''})"
