@@ -189,7 +189,7 @@ class DeviceLoop:
     def run_on_padding(self, shape: tuple) -> None:
         """Run `shape`'s program once on rows that do not exist (row `slots`: every write is
         dropped, nothing changes) and wait for it: compiles a jitted call, and pays an
-        executable's first-run cost (0.2-0.6 s on CPU) before any request would."""
+        executable's first-run cost (0.1-0.4 s more on CPU) before any request would."""
         name, r, t = shape
         slots, pages = self.sched.slots, self.sched.pages_per_row
         pad = np.full((r,), slots, np.int32)
