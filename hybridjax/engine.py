@@ -865,13 +865,7 @@ class Engine:
             with self.sched.wake:
                 self.sched.wake.notify_all()
         elif shape[2] <= FIRST_RUN_SCORE_MAX:
-            from hybridjax.generate import prompt_logprobs
-
-            try:
-                prompt_logprobs(self.params, [0, 0], self.cfg, bucket=shape[2], scorer=self.programs.get(shape),
-                                empty_cache=self._empty_score_cache(shape[2]))
-            except Exception:  # the request that needs it will try it
-                log.exception("the first run of %s failed", programs.shape_name(shape))
+            self._first_run(shape)
 
     def _unrun_program(self) -> tuple | None:
         """A program the loop may run that exists and has never run (None: none, or calls that are
@@ -881,12 +875,19 @@ class Engine:
         return next(iter(self.calls.unrun(self.shapes())), None)
 
     def _first_run(self, shape: tuple) -> None:
-        """Run `shape` once on padding rows (`DeviceLoop.run_on_padding`): an executable's first run
-        costs 0.1-0.4 s more than later ones (CPU, measured per program: benchmarks/README.md,
-        bench_startup), paid here rather than by the first request that needs it."""
-        self.calls.ran.add(shape)  # once, even if it fails
+        """Run `shape` once: an executable's first run costs 0.1-0.4 s more than later ones (CPU,
+        measured per program: benchmarks/README.md, bench_startup), paid here rather than by the
+        first request that needs it. A step program runs on padding rows (`DeviceLoop.run_on_padding`,
+        engine thread); a scoring program on a two-token prompt (any thread: it touches no state)."""
         try:
-            self.loop.run_on_padding(shape)
+            if shape[0] == "score":
+                from hybridjax.generate import prompt_logprobs
+
+                prompt_logprobs(self.params, [0, 0], self.cfg, bucket=shape[2], scorer=self.programs.get(shape),
+                                empty_cache=self._empty_score_cache(shape[2]))
+            else:
+                self.calls.ran.add(shape)  # once, even if it fails
+                self.loop.run_on_padding(shape)
         except Exception:  # it has changed nothing a request reads; the request that needs it will try it
             log.exception("the first run of %s failed", programs.shape_name(shape))
 

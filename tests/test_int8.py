@@ -139,6 +139,13 @@ def test_int8_model_against_float32(arch, dtype, mode, loaded):
     assert agree >= 0.75, (got.argmax(-1), ref.argmax(-1))
 
 
+def test_the_cli_offers_the_library_quantize_modes():
+    """The CLI keeps its own copy (it parses arguments without importing the kernels): the same."""
+    from hybridjax.cli.common import QUANTIZE_MODES
+
+    assert QUANTIZE_MODES == cpu_kernels.QUANTIZE_MODES
+
+
 def test_load_and_cli_quantize(hf_dirs, loaded, capsys):
     from hybridjax.cli import main
     from hybridjax.default_model import default_model
