@@ -80,7 +80,7 @@ def bucket(n: int, max_len: int) -> int:
 
 
 def init_cache(cfg: Config, batch_size: int, max_len: int, dtype=jnp.float32, capacity: int | None = None,
-               kv_shards: int = 1) -> Cache:
+               kv_shards: int = 1, zeros=jnp.zeros) -> Cache:
     """An empty cache for `batch_size` rows of up to `max_len` tokens each.
 
     KV buffers start at `capacity` tokens (default: the smallest bucket) and grow on demand.
@@ -88,6 +88,7 @@ def init_cache(cfg: Config, batch_size: int, max_len: int, dtype=jnp.float32, ca
     `kv_shards`: the tensor shards the KV heads will be split over; with more shards than KV heads,
     each KV head is held once per shard that needs it (`Config.kv_heads_laid_out`). Placing the
     cache on a mesh is `hybridjax.sharding.init_cache` (the facade's `init_cache(..., mesh=)`).
+    `zeros=np.zeros` makes host arrays, without tracing or running a device program.
     """
     if batch_size < 1 or max_len < 1:
         raise ValueError(f"init_cache: batch_size and max_len must be >= 1, got {batch_size}, {max_len}")
@@ -97,16 +98,16 @@ def init_cache(cfg: Config, batch_size: int, max_len: int, dtype=jnp.float32, ca
     for t in cfg.layer_types:
         if t == FULL:
             shape = (b, cap, cfg.kv_heads_laid_out(kv_shards), cfg.head_dim)
-            layers.append(KVState(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)))
+            layers.append(KVState(k=zeros(shape, dtype), v=zeros(shape, dtype)))
         else:
             hv, k, v = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
             layers.append(
                 GDNState(
-                    conv=jnp.zeros((b, w - 1, cfg.gdn_conv_dim), jnp.float32),
-                    ssm=jnp.zeros((b, hv, k, v), jnp.float32),
+                    conv=zeros((b, w - 1, cfg.gdn_conv_dim), jnp.float32),
+                    ssm=zeros((b, hv, k, v), jnp.float32),
                 )
             )
-    return Cache(layers=tuple(layers), lengths=jnp.zeros((b,), jnp.int32), max_len=int(max_len))
+    return Cache(layers=tuple(layers), lengths=zeros((b,), jnp.int32), max_len=int(max_len))
 
 
 def with_capacity(cache: Cache, capacity: int) -> Cache:

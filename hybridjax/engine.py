@@ -54,7 +54,6 @@ from hybridjax.config import Config
 from hybridjax.engine_requests import (Event, GenerationRequest, InvalidRequest, QueueFull,  # noqa: F401 (API)
                                        RequestHandle, check_request)
 from hybridjax.engine_startup import Compiles, Shapes
-from hybridjax.generate import score_inputs
 from hybridjax.pages import DEFAULT_PAGE_SIZE, PagePool, page_bytes, pages_for
 from hybridjax.params import Params
 from hybridjax.prefix_cache import SnapshotStore
@@ -65,9 +64,6 @@ from hybridjax.tokenizer import StreamDecoder, Tokenizer
 log = logging.getLogger(__name__)
 
 _WARMUP_LOCK = threading.Lock()
-# Scoring programs up to this padded length run once as they are made (a 256-token forward is a
-# fraction of a second on CPU; a longer one is mostly compute, and its first run adds little).
-FIRST_RUN_SCORE_MAX = 256
 _STARTED: "weakref.WeakSet[Engine]" = weakref.WeakSet()  # engines whose threads may be compiling
 
 
@@ -569,7 +565,8 @@ class Engine:
         self.served = False  # it was ready once (its state is worth saving)
         self._cancel = threading.Event()  # stop compiling (the engine stops)
         self._worker: threading.Thread | None = None  # the last worker started (kept after stop)
-        self._score_caches: dict = {}  # length -> an empty cache for the prompt scorer
+        self._score_caches: list = []  # one-row caches of max_len positions for the scorer, free to take
+        self._score_lock = threading.Lock()
         state = self._fresh_state()
         self.programs: programs.ProgramSet | None = None
         self.compiles: Compiles | None = None
@@ -591,11 +588,11 @@ class Engine:
             self.cfg, params, state, slots=self.slots, pages_per_row=self.pages_per_row, num_pages=self.pool.num_pages,
             implementation=self.implementation, speculative_tokens=self.speculative_tokens,
             row_args=programs.abstract(request_row_args(self.cfg, GenerationRequest([0], 1))))
-        # the prompt-scoring programs (echo with logprobs: `prompt_logprobs`), by padded length
-        from hybridjax.generate import SCORE_CHUNK, _prompt_logprobs
+        # the prompt-scoring programs (echo with logprobs: `prompt_logprobs`), by piece width
+        from hybridjax.generate import _score_piece, score_piece_inputs
 
-        lowerers["score"] = lambda r, t: _prompt_logprobs.lower(params, *score_inputs(params, t, self.cfg),
-                                                                self.cfg, SCORE_CHUNK)
+        lowerers["score"] = lambda r, t: _score_piece.lower(params, *score_piece_inputs(params, self.cfg, t, self.max_len),
+                                                            cfg=self.cfg)
         return programs.program_set(programs.program_key(self.cfg, params, state, settings), lowerers, directory)
 
     def _fresh_state(self):
@@ -755,33 +752,46 @@ class Engine:
         self.compiles.behind(shapes)
 
     def prompt_logprobs(self, prompt_ids: Sequence[int], sp=None, top: int = 0) -> list[tuple[float, tuple]]:
-        """`generate.prompt_logprobs` on a compiled scoring program: the smallest compiled length
-        bucket that holds the prompt (padding on the right changes no position's score). Before
-        one exists, the one that fits compiles at once on a thread of its own (`Compiles.first`)
-        and this waits for it: the caller's thread never compiles."""
-        from hybridjax.generate import prompt_logprobs
+        """`generate.prompt_logprobs` on the compiled scoring programs: the prompt in pieces
+        (`generate.score_in_pieces`) of the widths compiled so far, over a one-row cache of max_len
+        positions. The narrowest is in the covering set, so any prompt is scored without waiting;
+        where it is missing (a warm-up the caller skipped) it compiles at once on a thread of its
+        own (`Compiles.first`) and this waits for it: the caller's thread never compiles."""
+        from hybridjax.generate import MAX_SCORE_TOP, prompt_logprobs, score_list
 
-        fits = [s for s in self.score_shapes() if s[2] >= len(prompt_ids)]
-        if self.programs is None or not fits or len(prompt_ids) < 2:
+        n = len(prompt_ids)
+        if self.programs is None or n < 2 or n > self.max_len:
             return prompt_logprobs(self.params, prompt_ids, self.cfg, sp, top)
-        shape = next((s for s in fits if self.programs.has(s)), None)
-        if shape is None:
-            shape = fits[0]
-            self.compiles.first(shape)
-        return prompt_logprobs(self.params, prompt_ids, self.cfg, sp, top, bucket=shape[2],
-                               scorer=self.programs.get(shape), empty_cache=self._empty_score_cache(shape[2]))
+        if not 0 <= top <= MAX_SCORE_TOP:
+            raise ValueError(f"prompt_logprobs: top must be in [0, {MAX_SCORE_TOP}], got {top}")
+        scorers = {s[2]: self.programs.get(s) for s in self.score_shapes() if self.programs.has(s)}
+        if not scorers:
+            narrowest = self.score_shapes()[0]
+            self.compiles.first(narrowest)
+            scorers = {narrowest[2]: self.programs.get(narrowest)}
+        return score_list(*self._score(prompt_ids, sp, scorers), n, top)
 
-    def _empty_score_cache(self, t: int):
-        """An empty cache of t positions for the scorer, made from host zeros (`init_cache` would
-        compile its jnp.zeros), once per length."""
-        cache = self._score_caches.get(t)
+    def _score(self, prompt_ids, sp, scorers: dict):
+        """`generate.score_in_pieces` over a free scoring cache (made on first need; several
+        threads may score at once, each with its own)."""
+        from hybridjax.generate import score_in_pieces
+
+        with self._score_lock:
+            cache = self._score_caches.pop() if self._score_caches else None
         if cache is None:
-            from hybridjax.cache import init_cache
+            cache = self._empty_score_cache()
+        scores, cache = score_in_pieces(self.params, self.cfg, prompt_ids, sampling_params(1) if sp is None else sp,
+                                        scorers, cache)  # (a failure loses the donated cache: a new one is made)
+        with self._score_lock:
+            self._score_caches.append(cache)
+        return scores
 
-            shapes = jax.eval_shape(lambda: init_cache(self.cfg, 1, t, self.dtype, capacity=t))
-            cache = self._score_caches[t] = jax.tree_util.tree_map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype)),
-                                                                   shapes)
-        return cache
+    def _empty_score_cache(self):
+        """An empty scoring cache of max_len positions (`generate.score_cache`), made from host zeros
+        (jnp.zeros would run a program each, and tracing its shapes would trace on the engine thread)."""
+        from hybridjax.generate import score_cache
+
+        return jax.device_put(score_cache(self.cfg, self.max_len, self.params.embed.dtype, zeros=np.zeros))
 
     def save_snapshots(self, directory) -> int:
         """Persist the snapshot store (its pages read from the pool). Call with the loop stopped."""
@@ -859,12 +869,12 @@ class Engine:
 
     def _program_made(self, shape: tuple) -> None:
         """A program compiled or loaded behind (on that thread): a step program is run once by the
-        loop when idle (woken here); a short scoring program runs once here, on a two-token prompt
+        loop when idle (woken here); a scoring program runs once here, on a two-token prompt
         (scoring touches no engine state), so neither first run falls on a request."""
         if shape[0] != "score":
             with self.sched.wake:
                 self.sched.wake.notify_all()
-        elif shape[2] <= FIRST_RUN_SCORE_MAX:
+        else:
             self._first_run(shape)
 
     def _unrun_program(self) -> tuple | None:
@@ -880,13 +890,10 @@ class Engine:
         first request that needs it. A step program runs on padding rows (`DeviceLoop.run_on_padding`,
         engine thread); a scoring program on a two-token prompt (any thread: it touches no state)."""
         try:
+            self.calls.ran.add(shape)  # once, even if it fails
             if shape[0] == "score":
-                from hybridjax.generate import prompt_logprobs
-
-                prompt_logprobs(self.params, [0, 0], self.cfg, bucket=shape[2], scorer=self.programs.get(shape),
-                                empty_cache=self._empty_score_cache(shape[2]))
+                self._score([0, 0], None, {shape[2]: self.programs.get(shape)})
             else:
-                self.calls.ran.add(shape)  # once, even if it fails
                 self.loop.run_on_padding(shape)
         except Exception:  # it has changed nothing a request reads; the request that needs it will try it
             log.exception("the first run of %s failed", programs.shape_name(shape))

@@ -14,9 +14,13 @@ from collections import deque
 from typing import Callable, Sequence
 
 from hybridjax import engine_programs as programs
-from hybridjax.generate import length_bucket
-
 log = logging.getLogger("hybridjax.engine")
+
+# Widths of the pieces a prompt is scored in (echo + logprobs): the narrowest is in the covering set,
+# so no echo waits for a compile; wider ones, made behind, take fewer calls for a long prompt.
+# Scoring in pieces replaced one program per padded length (9 at --max-len 4096, each compiled
+# behind and ~6-10 s of a core): the first echo of a length waited for its program (benchmarks/README.md).
+SCORE_PIECES = (16, 256)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,21 +50,19 @@ class Shapes:
     def covering(self) -> list[tuple]:
         """The fewest programs that serve every request correctly: the largest decode bucket (any
         batch pads to it), one row's smallest prefill chunk (any prompt splits into such chunks),
-        the first draw of an exact hit and the per-request helpers."""
+        the first draw of an exact hit, the per-request helpers and the narrowest scoring piece
+        (any prompt's echo + logprobs is scored in such pieces)."""
         top = self.decode_buckets[-1]
         k = self.speculative_tokens
         out = [("spec_decode", top, k + 1)] if k else []
         out.append(("decode", top, 1))  # also a speculative engine's constrained rows (they never draft)
         out += [("prefill", 1, 16), ("sample_first", 1, 0), ("set_bits", top, 0)]
-        return out + [s for s in self.all() if s[0] in ("setup_row", "setup_row_snapshot", "read_row", "copy_page")]
+        out += [s for s in self.all() if s[0] in ("setup_row", "setup_row_snapshot", "read_row", "copy_page")]
+        return out + self.score()[:1]
 
     def score(self) -> list[tuple]:
-        """The prompt-scoring programs (`Engine.prompt_logprobs`): one per padded length up to max_len."""
-        out, t = [], 16
-        while t <= length_bucket(self.max_len):
-            out.append(("score", 1, t))
-            t *= 2
-        return out
+        """The prompt-scoring programs (`Engine.prompt_logprobs`): one per piece width, narrowest first."""
+        return [("score", 1, w) for w in SCORE_PIECES if w <= max(self.max_len, SCORE_PIECES[0])]
 
     def background(self) -> list[tuple]:
         """What compiles behind, the most useful first: smaller decode buckets, longer one-row

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from hybridjax.cache import Cache, KVState, reserve
+from hybridjax import cache as cache_lib
+from hybridjax.cache import Cache, GDNState, KVState, PagedKV, reserve
 from hybridjax.config import Config
 from hybridjax.model import forward, forward_hidden, lm_logits
 from hybridjax.params import Params
@@ -123,16 +124,15 @@ SCORE_CHUNK = 256  # positions whose vocabulary-wide logits exist at once
 MAX_SCORE_TOP = 20  # alternatives computed per position (callers take fewer)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "chunk"))
-def _prompt_logprobs(params, tokens, cache, sp, cfg, chunk):
-    """tokens [T] (T a bucket, right-padded). Position i scores tokens[i + 1] with the sampler's
-    processing (`logprobs_of`): the prompt so far, tokens[: i + 1], counts as seen for the
-    repetition penalty; the output-only penalties see no output. Returns ([T], [T, k] ids, [T, k])."""
-    x, _ = forward_hidden(params, tokens[None], cache, cfg)
+def _score_positions(params, x, tokens, nxt, seen, sp, cfg, chunk):
+    """The head's part of scoring: x [T, D] the hidden states after tokens [T]; position i scores
+    nxt[i] with the sampler's processing (`logprobs_of`): the tokens so far (`seen` [vocab], those
+    before this piece, then tokens[: i + 1]) count as seen for the repetition penalty; the
+    output-only penalties see no output. `chunk` positions at a time. Returns seen after the T
+    tokens and ([T], [T, k] ids, [T, k])."""
     t, vocab = tokens.shape[0], cfg.vocab_size
     c = min(chunk, t)  # both powers of two: c divides t
-    nxt = jnp.concatenate([tokens[1:], tokens[:1]])
-    chunks = (x[0].reshape(t // c, c, -1), tokens.reshape(t // c, c), nxt.reshape(t // c, c))
+    chunks = (x.reshape(t // c, c, -1), tokens.reshape(t // c, c), nxt.reshape(t // c, c))
     rows_sp = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (c,)), sp)
 
     def step(seen, xs):
@@ -143,46 +143,113 @@ def _prompt_logprobs(params, tokens, cache, sp, cfg, chunk):
         top_lp, top_ids = jax.lax.top_k(lp, min(MAX_SCORE_TOP, vocab))
         return seen_c[-1], (jnp.take_along_axis(lp, nc[:, None], axis=-1)[:, 0], top_ids, top_lp)
 
-    _, (lp, top_ids, top_lp) = jax.lax.scan(step, jnp.zeros((vocab,), bool), chunks)
-    return lp.reshape(t), top_ids.reshape(t, -1), top_lp.reshape(t, -1)
+    seen, (lp, top_ids, top_lp) = jax.lax.scan(step, seen, chunks)
+    return seen, (lp.reshape(t), top_ids.reshape(t, -1), top_lp.reshape(t, -1))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "chunk"))
+def _prompt_logprobs(params, tokens, cache, sp, cfg, chunk):
+    """tokens [T] (T a bucket, right-padded), scored in one forward. Returns ([T], [T, k] ids, [T, k])."""
+    x, _ = forward_hidden(params, tokens[None], cache, cfg)
+    nxt = jnp.concatenate([tokens[1:], tokens[:1]])
+    return _score_positions(params, x[0], tokens, nxt, jnp.zeros((cfg.vocab_size,), bool), sp, cfg, chunk)[1]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def _score_piece(params, cache, tokens, nxt, count, start, seen, sp, cfg):
+    """One piece of a prompt scored in pieces (`score_in_pieces`): tokens [C] (`count` real, then
+    padding) are the prompt's tokens from position `start`, nxt [C] the token after each, `seen`
+    [vocab] the tokens before `start`. `cache`: `score_cache`, holding the whole prompt, emptied
+    here when start is 0 (its KV past a query's position is never visible, so only the recurrent
+    state and the length need clearing). Returns ([C], [C, k] ids, [C, k]), the cache
+    after the piece, and seen after it."""
+    fresh = start == 0
+    layers = tuple(jax.tree_util.tree_map(lambda a: jnp.where(fresh, jnp.zeros_like(a), a), s)
+                   if isinstance(s, GDNState) else s for s in cache.layers)
+    cache = cache.replace(layers=layers, lengths=jnp.full_like(cache.lengths, start))
+    x, cache = forward_hidden(params, tokens[None], cache, cfg, token_counts=count[None])
+    seen, scores = _score_positions(params, x[0], tokens, nxt, seen, sp, cfg, min(SCORE_CHUNK, tokens.shape[0]))
+    return scores, cache, seen
+
+
+SCORE_PAGE = 256  # tokens per page of the scoring cache: one page per step of the paged attention's loop
+
+
+def score_cache(cfg: Config, capacity: int, dtype, zeros=jnp.zeros) -> Cache:
+    """An empty one-row cache for `_score_piece`: the recurrent state, and KV as pages in order, so
+    that attention reads up to the prompt's last position (paged attention's loop) where a plain
+    buffer would be read whole, its capacity (max_len) for every 16-token piece. `zeros=np.zeros`:
+    host arrays (`cache.init_cache`)."""
+    cache = cache_lib.init_cache(cfg, 1, capacity, dtype, zeros=zeros)  # KV: a small plain buffer, replaced
+    pages = -(-capacity // SCORE_PAGE)
+    table = zeros((1, pages), np.int32) + np.arange(pages, dtype=np.int32)
+
+    def paged(state):
+        if not isinstance(state, KVState):
+            return state
+        shape = (pages, SCORE_PAGE) + state.k.shape[2:]
+        return PagedKV(k=zeros(shape, state.k.dtype), v=zeros(shape, state.v.dtype), table=table)
+
+    return cache.replace(layers=tuple(map(paged, cache.layers)))
+
+
+def score_piece_inputs(params: Params, cfg: Config, width: int, capacity: int):
+    """Abstract arguments of `_score_piece` (all but params) for pieces of `width` tokens and a
+    cache of `capacity` positions (`score_cache`)."""
+    cache = jax.eval_shape(lambda: score_cache(cfg, capacity, params.embed.dtype))
+    sp = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), sampling_params(1))
+    ints = jax.ShapeDtypeStruct((width,), np.int32)
+    one = jax.ShapeDtypeStruct((), np.int32)
+    return cache, ints, ints, one, one, jax.ShapeDtypeStruct((cfg.vocab_size,), np.bool_), sp
+
+
+def score_in_pieces(params: Params, cfg: Config, prompt_ids: Sequence[int], sp, scorers: dict, cache: Cache):
+    """The scores `prompt_logprobs` returns, from compiled `_score_piece` programs (`scorers`:
+    piece width -> executable), called one after another: each piece is the widest that the
+    prompt's rest fills, the last the narrowest that holds what remains. `cache`: a `score_cache`
+    of capacity >= len(prompt_ids) (donated; the one after the last piece is returned, for reuse).
+    Returns ((lp [n-1], ids [n-1, k], top_lp [n-1, k]) as numpy, cache)."""
+    ids = np.asarray(prompt_ids, np.int32)
+    n, widths = len(ids) - 1, sorted(scorers)  # the last token scores nothing
+    seen = np.zeros((cfg.vocab_size,), bool)
+    pieces, start = [], 0
+    while start < n:
+        rest = n - start
+        width = max((w for w in widths if w <= rest), default=None) or min(w for w in widths if w >= rest)
+        count = min(width, rest)
+        tokens, nxt = np.zeros(width, np.int32), np.zeros(width, np.int32)
+        tokens[:count], nxt[:count] = ids[start:start + count], ids[start + 1:start + count + 1]
+        out, cache, seen = scorers[width](params, cache, tokens, nxt, np.int32(count), np.int32(start), seen, sp)
+        pieces.append((out, count))
+        start += count
+    parts = [[host_value(a)[:count] for a in out] for out, count in pieces]
+    return tuple(np.concatenate(p) for p in zip(*parts)), cache
 
 
 def prompt_logprobs(params: Params, prompt_ids: Sequence[int], cfg: Config, sp: SamplingParams | None = None,
-                    top: int = 0, chunk: int = SCORE_CHUNK, bucket: int | None = None,
-                    scorer=None, empty_cache: Cache | None = None) -> list[tuple[float, tuple]]:
+                    top: int = 0, chunk: int = SCORE_CHUNK) -> list[tuple[float, tuple]]:
     """For each prompt token after the first: (its log-probability given the tokens before it,
     the `top` most likely (id, logprob), best first), from one forward over the prompt, with the
     logits processed as the sampler's log-probabilities of generated tokens are (`sp`: one row of
     sampling parameters; default greedy, no penalties: the model's own distribution). `chunk`
-    (a power of two): positions whose vocabulary-wide logits are computed at once. `bucket`: the
-    padded length (a power of two >= the prompt's; default the smallest); `scorer`: a compiled
-    `_prompt_logprobs` for that bucket (the engine's programs), called without cfg and chunk;
-    `empty_cache`: an empty cache of that many positions to use (made without compiling)."""
+    (a power of two): positions whose vocabulary-wide logits are computed at once. The prompt is
+    padded to its length bucket (padding on the right changes no position's score); the engine
+    scores in pieces on programs it keeps instead (`Engine.prompt_logprobs`)."""
     n = len(prompt_ids)
     if not 0 <= top <= MAX_SCORE_TOP:
         raise ValueError(f"prompt_logprobs: top must be in [0, {MAX_SCORE_TOP}], got {top}")
     if n < 2:
         return []
-    tokens, cache, sp = score_inputs(params, prompt_ids, cfg, sp, bucket)
-    cache = cache if empty_cache is None else empty_cache
-    out = scorer(params, tokens, cache, sp) if scorer else _prompt_logprobs(params, tokens, cache, sp, cfg, chunk)
-    lp, ids, tlp = (host_value(a) for a in out)
-    return [(float(lp[i]), tuple(zip(ids[i, :top].tolist(), tlp[i, :top].tolist()))) for i in range(n - 1)]
-
-
-def score_inputs(params: Params, prompt_ids: Sequence[int], cfg: Config, sp: SamplingParams | None = None,
-                 bucket: int | None = None):
-    """(tokens [T], an empty cache of T positions, sp) for `_prompt_logprobs` (T: `bucket`, or
-    the prompt's length bucket). Shape-only (ShapeDtypeStructs) when `prompt_ids` is an int T."""
-    if isinstance(prompt_ids, int):
-        t = prompt_ids
-        cache = jax.eval_shape(lambda: init_cache(cfg, 1, t, params.embed.dtype, capacity=t))
-        sp = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), sampling_params(1))
-        return jax.ShapeDtypeStruct((t,), np.int32), cache, sp
-    tokens, _ = pad_prompts([prompt_ids], bucket)
+    tokens, _ = pad_prompts([prompt_ids])
     t = tokens.shape[1]
-    cache = None if bucket else init_cache(cfg, 1, t, params.embed.dtype, capacity=t, mesh=params.mesh)
-    return tokens[0], cache, sampling_params(1) if sp is None else sp
+    cache = init_cache(cfg, 1, t, params.embed.dtype, capacity=t, mesh=params.mesh)
+    out = _prompt_logprobs(params, tokens[0], cache, sampling_params(1) if sp is None else sp, cfg, chunk)
+    return score_list(*(host_value(a) for a in out), n, top)
+
+
+def score_list(lp, ids, top_lp, n: int, top: int) -> list[tuple[float, tuple]]:
+    """Scores as `prompt_logprobs` returns them, from its arrays (numpy, >= n - 1 positions)."""
+    return [(float(lp[i]), tuple(zip(ids[i, :top].tolist(), top_lp[i, :top].tolist()))) for i in range(n - 1)]
 
 
 # --- whole-call generate ---------------------------------------------------------------

@@ -85,11 +85,11 @@ def _serve_a_mix(eng: Engine, refs, long_ref) -> None:
         assert collect(h).token_ids == (refs[tuple(q)] if q is not LONG else long_ref)
     run(eng, p + enc(" and more"), 3, temperature=0.8, top_p=0.9, seed=3, repetition_penalty=1.2)  # a hit, sampled
     scores = eng.prompt_logprobs(p, top=2)
-    # the same program shape (length bucket 32) as the reference: the same float32 values; 1e-6
-    # leaves room for nothing but the order of a reduction
+    # in pieces of 16 against one forward: the delta rule's chunks are cut elsewhere, so float32
+    # sums run in another order (~1e-5; test_generate's pieces test); alternatives compared by value
     assert len(scores) == len(refs["scores"]) == len(p) - 1
     for (lp, alts), (ref_lp, ref_alts) in zip(scores, refs["scores"]):
-        assert abs(lp - ref_lp) <= 1e-6 and [i for i, _ in alts] == [i for i, _ in ref_alts]
+        assert abs(lp - ref_lp) <= 1e-4 and max(abs(a[1] - b[1]) for a, b in zip(alts, ref_alts)) <= 1e-4
 
 
 def test_serves_on_the_covering_set_and_never_compiles_live(exe_dir):
@@ -100,24 +100,25 @@ def test_serves_on_the_covering_set_and_never_compiles_live(exe_dir):
     eng.start(warmup=True)
     try:
         assert eng.ready.wait(600)
-        assert eng.startup["compiled"] + eng.startup["loaded"] == len(eng.covering_shapes()) == 8  # with the grammar-mask upload
+        assert eng.startup["compiled"] + eng.startup["loaded"] == len(eng.covering_shapes()) == 9  # with the grammar-mask upload
         assert set(behind) == set(eng.shapes() + eng.score_shapes()) - set(eng.covering_shapes())
-        for shape in (("decode", 1, 1), ("prefill", 1, 32), ("score", 1, 32)):
+        for shape in (("decode", 1, 1), ("prefill", 1, 32), ("score", 1, 256)):
             assert not eng.programs.has(shape)  # so requests pad to decode x4, split into chunks of 16
         # each covering program ran once on padding rows before ready (a first run costs more)
         assert eng.calls.unrun(eng.covering_shapes()) == [] and eng.startup["first_runs_s"] > 0
-        # Nothing compiles behind: the scorer the mix asks for (bucket 32) is compiled at once for
-        # it, on a thread of its own (`Compiles.first`), never on the caller's (checked below).
-        before, chunks = len(_events), eng.counters["prefill_chunks"]
+        # Nothing compiles behind, and nothing for a request: the mix's echo is scored in pieces of
+        # 16, the covering scorer (no compile for a waiting request: `Compiles.first`).
+        before, chunks, made = len(_events), eng.counters["prefill_chunks"], eng.programs.counters["compiled"]
         p = PROMPTS[0]
         _serve_a_mix(eng, refs, long_ref)
         assert eng.counters["prefill_chunks"] - chunks >= 100 // 16  # the long prompt ran in chunks of 16
         assert compiles_outside_the_compile_thread(before) == [] and eng.calls.live_compiles == 0
+        assert eng.programs.counters["compiled"] == made
 
         # then the rest compiles behind while requests run: still nothing compiles on their threads
         before = len(_events)
         del eng._compile_behind  # the engine's own again
-        eng._compile_behind([("decode", 1, 1), ("prefill", 1, 32), ("prefill", 2, 16), ("score", 1, 16)])
+        eng._compile_behind([("decode", 1, 1), ("prefill", 1, 32), ("prefill", 2, 16), ("score", 1, 256)])
         for _ in range(3):
             assert run(eng, p, 6).token_ids == refs[tuple(p)]
             assert collect(eng.submit(GenerationRequest(LONG, max_tokens=4))).token_ids == long_ref
@@ -129,7 +130,7 @@ def test_serves_on_the_covering_set_and_never_compiles_live(exe_dir):
         while eng.calls.unrun([("prefill", 2, 16)]) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert eng.calls.unrun([("decode", 1, 1), ("prefill", 1, 32), ("prefill", 2, 16)]) == []
-        assert 16 in eng._score_caches  # the short scorer ran once as it was made (the mix scores at 32)
+        assert ("score", 1, 256) in eng.calls.ran  # a scorer ran once as it was made (the mix scores in 16s)
         _serve_a_mix(eng, refs, long_ref)  # on the new buckets: the same tokens
         assert compiles_outside_the_compile_thread(before) == [] and eng.calls.live_compiles == 0
     finally:
@@ -144,13 +145,13 @@ def test_a_restart_loads_executables_without_tracing_or_compiling(exe_dir):
     eng = _engine(exe_dir)
     behind = []
     eng._compile_behind = behind.extend
-    eng.programs.ensure(("score", 1, 32))  # (kept by the first test's engine)
+    eng.programs.ensure(("score", 1, 256))  # (kept by the first test's engine)
     before = len(_events)
     eng.start(warmup=True)
     try:
         assert eng.ready.wait(600)
         assert _events[before:] == []  # no tracing, no compiling
-        assert eng.startup["loaded"] == 8 and eng.startup["compiled"] == 0
+        assert eng.startup["loaded"] == 9 and eng.startup["compiled"] == 0
         # what the first run kept loads behind before anything compiles: first in line
         kept = [s for s in behind if eng.programs.on_disk(s)]
         assert {("decode", 1, 1), ("prefill", 1, 32)} <= set(kept) and behind[:len(kept)] == kept
