@@ -15,7 +15,12 @@ server needs one). Greedy, `--new-tokens` after a `--prompt`-token prompt, no st
              tokens after each first / (last token's time - first token's time)
   server     the same engine behind the app and uvicorn on 127.0.0.1, S concurrent streamed
              `/v1/completions` requests (token-id prompts, `ignore_eos`), timed as `engine` from
-             the SSE chunks the client reads
+             the SSE chunks the client reads; in this process, so the clients' threads share its
+             interpreter (and GIL) with the server and the engine
+  process    with the `process` section: `hybridjax serve` in a process of its own, as a user runs
+             it and as llama-server runs, with the same model, dtype and --max-len; it loads the
+             executables the engine above kept (`--compile-cache-dir`), and timing waits until its
+             /metrics says every program exists; streamed and timed as `server`
   llama-server  with --llama-server: llama.cpp's server on a GGUF of the same weights (`-np S`,
              `-t --threads`), S concurrent streamed `/completion` requests (the same token-id
              prompts, greedy, `ignore_eos`, no prompt cache), timed as `server` per token; its
@@ -46,6 +51,7 @@ import os
 import socket
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -164,6 +170,39 @@ class LlamaServer:
         self.proc.wait(60)
 
 
+class ServeProcess:
+    """`hybridjax serve` in a subprocess (`process` above); `port` and the served model's `name`."""
+
+    def __init__(self, model_dir: Path, dtype: str, max_len: int, compile_cache: Path, log: Path):
+        import subprocess
+
+        import httpx
+
+        self.port = free_port()
+        cmd = [sys.executable, "-m", "hybridjax.cli", "serve", "--model", str(model_dir), "--dtype", dtype,
+               "--max-len", str(max_len), "--port", str(self.port), "--compile-cache-dir", str(compile_cache)]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log.open("w"), env=env)
+        url, deadline = f"http://127.0.0.1:{self.port}", time.time() + 900
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"hybridjax serve exited ({self.proc.returncode}); its log: {log}")
+            try:
+                metrics = dict(line.split(" ", 1) for line in httpx.get(url + "/metrics", timeout=5).text.splitlines()
+                               if line.startswith("hybridjax_programs"))
+                if metrics and metrics["hybridjax_programs_ready"] == metrics["hybridjax_programs"]:
+                    self.name = httpx.get(url + "/v1/models", timeout=5).json()["data"][0]["id"]
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise SystemExit(f"hybridjax serve did not have every program in 900 s; its log: {log}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
 def rate(firsts: list[float], lasts: list[float], tokens: int) -> float:
     return tokens / (max(lasts) - min(firsts))
 
@@ -251,7 +290,9 @@ def main(argv=None) -> int:
     cfg, params = hybridjax.load_hf(model_dir, dtype=a.dtype)
     tok = Tokenizer.from_dir(model_dir)
     name = "bench"
-    sc = ServerConfig(max_len=a.max_len)
+    sections = a.sections.split(",")
+    compile_cache = Path(tempfile.mkdtemp(prefix="bench_serve_decode_"))  # executables for the `process` server
+    sc = ServerConfig(max_len=a.max_len, executable_dir=str(compile_cache / "executables") if "process" in sections else None)
     engine, _ = build_engine(sc, cfg, params, tok, name)
     t0 = time.perf_counter()
     engine.start(warmup=True)
@@ -261,8 +302,12 @@ def main(argv=None) -> int:
         while engine.compiling:  # the rest compiles behind, taking a core the steps would use
             time.sleep(0.5)
         print(f"every program compiled in {time.perf_counter() - t0:.0f} s", flush=True)
-    sections = a.sections.split(",")
     server = Server(engine, name, sc) if "server" in sections else None
+    process = None
+    if "process" in sections:
+        t1 = time.perf_counter()
+        process = ServeProcess(model_dir, a.dtype, a.max_len, compile_cache, compile_cache / "serve.log")
+        print(f"hybridjax serve (own process) has every program after {time.perf_counter() - t1:.0f} s", flush=True)
     streams = [int(s) for s in a.streams.split(",")]
     n = a.new_tokens
     prompts = [bench_generate.prompt_tokens(a.prompt + i).tolist() for i in range(max(streams))]
@@ -293,13 +338,18 @@ def main(argv=None) -> int:
         tokens = sum(len(h.token_ids) - 1 for h in hs)
         return (rate(firsts, lasts, tokens), tokens / (time.process_time() - min(cpu))), [h.token_ids for h in hs]
 
-    def srv_rate(s: int):
+    def srv_rate(s: int, port_name=None):
+        port, model = port_name or (server.port, name)
         with cf.ThreadPoolExecutor(s) as ex:
-            res = list(ex.map(lambda i: stream_one(server.port, name, prompts[i], n), range(s)))
+            res = list(ex.map(lambda i: stream_one(port, model, prompts[i], n), range(s)))
         tokens = sum(len(t) - 1 for t, _, _ in res)
         wall = rate([t[0] for t, _, _ in res], [t[-1] for t, _, _ in res], tokens)
         cpu = rate([c[0] for _, _, c in res], [c[-1] for _, _, c in res], tokens)
         return (wall, cpu), [x for _, x, _ in res]
+
+    def proc_rate(s: int):  # this process's CPU time is only the clients': no CPU figure
+        (wall, _), texts = srv_rate(s, (process.port, process.name))
+        return (wall, float("nan")), texts
 
     llama = None
     if a.llama_server:
@@ -321,9 +371,10 @@ def main(argv=None) -> int:
     for s in streams:  # compile / warm every path once (not timed)
         if "engine" in sections:
             same[("engine", s)] = eng_rate(s)[1] == [ref[i] for i in range(s)]
-        if server:
-            texts = srv_rate(s)[1]
-            same[("server", s)] = ["".join(t) == tok.decode(ref[i]) for i, t in enumerate(texts)] == [True] * s
+        for kind, at in (("server", server and (server.port, name)), ("process", process and (process.port, process.name))):
+            if at:
+                texts = srv_rate(s, at)[1]
+                same[(kind, s)] = ["".join(t) == tok.decode(ref[i]) for i, t in enumerate(texts)] == [True] * s
         if llama:  # its float arithmetic differs from ours: how many of its tokens match, not a check
             equal = sum(t == ref[i] for i, t in enumerate(llama_rate(s)[1]))
             same[("llama-server", s)] = f"{equal}/{s} equal"
@@ -335,6 +386,7 @@ def main(argv=None) -> int:
         results["generate"].append(base + (1.0, 1.0))
         for s in streams:
             for kind, fn in (("engine", eng_rate), ("server", srv_rate if server else None),
+                             ("process", (lambda s: proc_rate(s)) if process else None),
                              ("llama-server", llama_rate if llama else None)):
                 if (kind in sections or kind == "llama-server") and fn is not None:
                     v = fn(s)[0]
@@ -356,8 +408,9 @@ def main(argv=None) -> int:
 
     by_path = {r["path"]: r["tok_s"] for r in rows}
     for s in streams:
-        if f"llama-server x{s}" in by_path and f"server x{s}" in by_path:
-            print(f"server x{s} / llama-server x{s}: {by_path[f'server x{s}'] / by_path[f'llama-server x{s}']:.2f}x")
+        for kind in ("server", "process"):
+            if f"llama-server x{s}" in by_path and f"{kind} x{s}" in by_path:
+                print(f"{kind} x{s} / llama-server x{s}: {by_path[f'{kind} x{s}'] / by_path[f'llama-server x{s}']:.2f}x")
 
     if a.profile:
         for s in streams:
@@ -369,6 +422,8 @@ def main(argv=None) -> int:
                 print(f"  {label:<26} {sec / tokens * 1e3:7.2f} ms")
     if server:
         server.stop()
+    if process:
+        process.stop()
     if llama:
         llama.stop()
     engine.stop()

@@ -170,6 +170,12 @@ def test_metrics_expose_store_counters(cached):
                  "hybridjax_prefix_cache_evictions_total", "hybridjax_prefix_cache_misses_total"):
         assert name in text, name
     assert cached.metric("hybridjax_prefix_cache_hits_total") > 0
+    # start-up progress: every program the engine runs, and those that exist
+    engine = cached.engine
+    every = engine.shapes() + engine.score_shapes()
+    assert cached.metric("hybridjax_programs") == len(every)
+    before = sum(map(engine.programs.has, every))  # (more may come into being behind meanwhile)
+    assert before <= cached.metric("hybridjax_programs_ready") <= sum(map(engine.programs.has, every))
 
 
 def test_disconnected_stream_frees_its_slot(cached):

@@ -43,6 +43,14 @@ class _Collector:
             g = GaugeMetricFamily(f"hybridjax_{name}", help_)
             g.add_metric([], value)
             yield g
+        if e.programs is not None:  # start-up, seen from outside: the programs compiled or loaded so far
+            every = e.shapes() + e.score_shapes()
+            for name, value, help_ in (("programs", len(every), "programs the engine runs (compiled ahead or behind)"),
+                                       ("programs_ready", sum(map(e.programs.has, every)),
+                                        "of which compiled or loaded so far")):
+                g = GaugeMetricFamily(f"hybridjax_{name}", help_)
+                g.add_metric([], value)
+                yield g
         for name, help_ in (("prefill_chunks", "prefill calls"), ("tokens_prefilled", "prompt tokens run through the model")):
             c = CounterMetricFamily(f"hybridjax_{name}", help_)
             c.add_metric([], e.counters.get(name, 0))
