@@ -771,9 +771,10 @@ class Engine:
             scorers = {narrowest[2]: self.programs.get(narrowest)}
         return score_list(*self._score(prompt_ids, sp, scorers), n, top)
 
-    def _score(self, prompt_ids, sp, scorers: dict):
+    def _score(self, prompt_ids, sp, scorers: dict, keep: bool = True):
         """`generate.score_in_pieces` over a free scoring cache (made on first need; several
-        threads may score at once, each with its own)."""
+        threads may score at once, each with its own). `keep` False: the cache is dropped after
+        (a first run: an engine whose clients never echo holds no max_len cache for it)."""
         from hybridjax.generate import score_in_pieces
 
         with self._score_lock:
@@ -782,8 +783,9 @@ class Engine:
             cache = self._empty_score_cache()
         scores, cache = score_in_pieces(self.params, self.cfg, prompt_ids, sampling_params(1) if sp is None else sp,
                                         scorers, cache)  # (a failure loses the donated cache: a new one is made)
-        with self._score_lock:
-            self._score_caches.append(cache)
+        if keep:
+            with self._score_lock:
+                self._score_caches.append(cache)
         return scores
 
     def _empty_score_cache(self):
@@ -892,7 +894,7 @@ class Engine:
         try:
             self.calls.ran.add(shape)  # once, even if it fails
             if shape[0] == "score":
-                self._score([0, 0], None, {shape[2]: self.programs.get(shape)})
+                self._score([0, 0], None, {shape[2]: self.programs.get(shape)}, keep=False)
             else:
                 self.loop.run_on_padding(shape)
         except Exception:  # it has changed nothing a request reads; the request that needs it will try it
