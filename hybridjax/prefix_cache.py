@@ -7,7 +7,9 @@ holds the pages through the pool's reference counts. Any pytree of arrays works 
 (the library's `Cache` too). Storing one costs nothing and restoring one copies nothing but a
 partial last page. Recurrent state cannot be trimmed, so reuse is exact-prefix: `lookup` returns
 the longest stored snapshot whose tokens are a prefix of the request's, within the request's
-namespace.
+namespace. A snapshot's tokens are its key (hybridjax.token_ids.Tokens): a prefix of a read-only
+array that the request's other snapshots share, so a checkpoint copies no context and a lookup
+compares the request once per shared array (`shared_lengths`).
 
 Bounds: bytes (a buffer or page held by several snapshots is counted once), entry count and age
 (TTL); eviction by saved prefill per byte aged by recency ("gdsf", the default) or

@@ -76,7 +76,9 @@ class EvictionRecord:
     def add(self, namespace: str, tokens: np.ndarray) -> None:
         if len(tokens) > self.max_tokens:
             return
-        self._items.append((namespace, tokens))
+        # A copy: a snapshot's tokens may be a view of a longer request's array, which the bound
+        # (in tokens) would not count.
+        self._items.append((namespace, np.array(tokens)))
         self._total += len(tokens)
         while self._total > self.max_tokens:
             self._total -= len(self._items.popleft()[1])
