@@ -57,6 +57,7 @@ from hybridjax.engine_startup import Compiles, Shapes
 from hybridjax.pages import DEFAULT_PAGE_SIZE, PagePool, page_bytes, pages_for
 from hybridjax.params import Params
 from hybridjax.prefix_cache import SnapshotStore
+from hybridjax.token_ids import Tokens
 from hybridjax.sampling import bias_row, sampling_params
 from hybridjax.scheduler import PREFILL_CALL_TOKENS, Scheduler, Slot, SpecPolicy, bucket, buckets
 from hybridjax.tokenizer import StreamDecoder, Tokenizer
@@ -101,6 +102,15 @@ def _draw_of(drawn: "steps.Drawn", i: int, slot: Slot) -> tuple[int, tuple]:
     return token, (float(np.asarray(drawn.logprob)[i]), tuple(top))
 
 
+def snapshot_tokens(prompt: np.ndarray, drawn: list[int], length: int) -> Tokens:
+    """The first `length` tokens of prompt + drawn as the store's key: within the prompt a prefix
+    of the request's one read-only array (no copy of the context per checkpoint); past it (a
+    response) a new array."""
+    if length <= len(prompt):
+        return Tokens(prompt, length)
+    return Tokens.of(np.concatenate([prompt, np.asarray(drawn[: length - len(prompt)], np.int32)]))
+
+
 def request_row_args(cfg: Config, req: GenerationRequest, length: int = 0) -> tuple:
     """What `engine_steps.setup_row` takes after (state, row, gdn, logits) for a request whose
     row starts at `length` cached tokens: length, sampling parameters, seed, seen tokens,
@@ -109,7 +119,7 @@ def request_row_args(cfg: Config, req: GenerationRequest, length: int = 0) -> tu
                          repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
                          frequency_penalty=req.frequency_penalty)
     seen = np.zeros((cfg.vocab_size,), bool)
-    seen[np.asarray(req.prompt_ids)] = True
+    seen[req.prompt_array] = True
     stops = np.full((steps.MAX_STOPS,), -1, np.int32)
     ids = list(dict.fromkeys(req.stop_ids))[: steps.MAX_STOPS]
     stops[: len(ids)] = ids
@@ -224,7 +234,7 @@ class DeviceLoop:
         if not batch:
             return
         reqs = [h.request for h in batch]
-        hits = (self.store.lookup_many([r.prompt_ids for r in reqs], [r.namespace for r in reqs])
+        hits = (self.store.lookup_many([Tokens(r.prompt_array) for r in reqs], [r.namespace for r in reqs])
                 if self.store is not None else [None] * len(batch))
         deferred, blocked = [], False
         for handle, hit in zip(batch, hits):
@@ -359,7 +369,7 @@ class DeviceLoop:
         if copy is not None:
             self.state = self.calls.copy_page(self.state, *copy)
         gdn, logits = self.calls.read_row(self.state, row)
-        tokens = (list(slot.prompt) + slot.drawn)[:length]
+        tokens = snapshot_tokens(slot.handle.request.prompt_array, slot.drawn, length)
         insert = functools.partial(self.store.insert, tokens, gdn, logits, namespace=slot.handle.request.namespace,
                                    kind=kind, pages=pages)
         if wait:

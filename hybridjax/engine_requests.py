@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import math
 import queue
 import threading
 from typing import AsyncIterator, Iterator
 
+import numpy as np
+
+from hybridjax.token_ids import frozen_ids
 from hybridjax.prefix_report import CACHE_OFF, CacheReport
 
 
@@ -48,6 +52,12 @@ class GenerationRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]); -100 bans
     grammar: str | None = None  # constrained decoding: an llguidance grammar (hybridjax.grammar)
 
+    @functools.cached_property
+    def prompt_array(self) -> np.ndarray:
+        """`prompt_ids` as a read-only int32 array, made once: the store's lookup, the row's setup
+        and every snapshot of the prompt (a prefix of this one array, not a copy) share it."""
+        return frozen_ids(self.prompt_ids)
+
 
 def check_request(req: GenerationRequest, vocab_size: int, max_logprobs: int) -> None:
     """Reject values the device steps cannot take (int32 / uint32 fields, non-finite floats)
@@ -68,7 +78,7 @@ def check_request(req: GenerationRequest, vocab_size: int, max_logprobs: int) ->
     if req.temperature < 0 or not 0 < req.top_p <= 1 or req.repetition_penalty <= 0:
         bad("temperature" if req.temperature < 0 else "top_p" if not 0 < req.top_p <= 1 else "repetition_penalty",
             "out of range")
-    if any(not 0 <= t < vocab_size for t in req.prompt_ids):
+    if req.prompt_ids and not (0 <= min(req.prompt_ids) and max(req.prompt_ids) < vocab_size):  # in C
         bad("prompt_ids", f"token ids must be in [0, {vocab_size})")
     if not 0 <= req.min_tokens <= max(req.max_tokens, 0):
         bad("min_tokens", "must be in [0, max_tokens]")

@@ -32,7 +32,7 @@ def gdsf(clock: float, hits: int, saved_tokens: int, nbytes: int) -> float:
 
 def priority(snap, clock: float, page_bytes: int) -> float:
     """GDSF priority of `snap` now (see the module docstring)."""
-    return gdsf(clock, snap.hits, len(snap.tokens), snapshot_bytes(snap, page_bytes))
+    return gdsf(clock, snap.hits, snap.length, snapshot_bytes(snap, page_bytes))
 
 
 def victim(entries: Mapping, policy: str):

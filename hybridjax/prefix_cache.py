@@ -7,7 +7,9 @@ holds the pages through the pool's reference counts. Any pytree of arrays works 
 (the library's `Cache` too). Storing one costs nothing and restoring one copies nothing but a
 partial last page. Recurrent state cannot be trimmed, so reuse is exact-prefix: `lookup` returns
 the longest stored snapshot whose tokens are a prefix of the request's, within the request's
-namespace.
+namespace. A snapshot's tokens are its key (hybridjax.token_ids.Tokens): a prefix of a read-only
+array that the request's other snapshots share, so a checkpoint copies no context and a lookup
+compares the request once per shared array (`shared_lengths`).
 
 Bounds: bytes (a buffer or page held by several snapshots is counted once), entry count and age
 (TTL); eviction by saved prefill per byte aged by recency ("gdsf", the default) or
@@ -54,7 +56,8 @@ import numpy as np
 
 from hybridjax.eviction import POLICIES, priority, victim
 from hybridjax.pages import PagePool
-from hybridjax.prefix_report import CacheReport, EvictionRecord, as_array, explain, tenant
+from hybridjax.prefix_report import CacheReport, EvictionRecord, common_prefix, explain, tenant
+from hybridjax.token_ids import Tokens
 
 log = logging.getLogger(__name__)
 
@@ -69,24 +72,29 @@ MAGIC = b"HJXSNAP2"  # then 32 bytes of SHA-256 over the rest, then a pickle
 
 @dataclasses.dataclass
 class Snapshot:
-    tokens: tuple[int, ...]
+    key: Tokens  # the tokens it covers (`tokens` as a tuple)
     cache: object  # the row's state: a pytree of arrays (the engine: its GDN states), batch of one
-    logits: jax.Array  # [vocab] float32: next-token logits after `tokens`
+    logits: jax.Array  # [vocab] float32: next-token logits after its tokens
     namespace: str = ""
     kind: str = "prompt"
     created: float = 0.0
     last_used: float = 0.0
     hits: int = 0
-    pages: tuple[int, ...] = ()  # KV page ids covering `tokens`, in order (paged engine)
+    pages: tuple[int, ...] = ()  # KV page ids covering its tokens, in order (paged engine)
     priority: float = 0.0  # eviction order under the "gdsf" policy (hybridjax.eviction)
-    _array: np.ndarray | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return self.key.as_tuple()
+
+    @property
+    def length(self) -> int:
+        return self.key.length
 
     @property
     def array(self) -> np.ndarray:
-        """`tokens` as int32, made once (the cache report compares prefixes with numpy)."""
-        if self._array is None:
-            self._array = as_array(self.tokens)
-        return self._array
+        """The tokens as int32 (a view of the key's array)."""
+        return self.key.array
 
     def leaves(self) -> list:
         return jax.tree_util.tree_leaves(self.cache) + [self.logits]
@@ -187,51 +195,48 @@ class SnapshotStore:
         """The longest snapshot in `namespace` whose tokens are a prefix of `tokens`."""
         return self.lookup_many([tokens], namespace=[namespace])[0]
 
-    def lookup_many(self, requests: Sequence[Sequence[int]], namespace: Sequence[str]) -> list[Hit]:
+    def lookup_many(self, requests: Sequence[Sequence[int] | Tokens], namespace: Sequence[str]) -> list[Hit]:
         """One pass over the store for a batch of requests (the engine's admission)."""
         with self._lock:
             self._expire()
+            requests = [Tokens.of(r) for r in requests]
             from_disk = self._promote(requests, namespace) if self.disk is not None else set()
             by_ns: dict[str, list[Snapshot]] = {}
             for (ns, _), snap in self._entries.items():
                 by_ns.setdefault(ns, []).append(snap)
             hits = []
-            for toks, ns in zip(requests, namespace):
-                request = as_array(toks)
+            for request, ns in zip(requests, namespace):
                 self.counters["lookups"] += 1
-                best = None
-                for snap in by_ns.get(ns, ()):
-                    n = len(snap.tokens)
-                    if n <= len(toks) and (best is None or n > len(best.tokens)) and _starts_with(request, snap):
-                        best = snap
-                report = self._explain(request, ns, best, by_ns)
+                mine = by_ns.get(ns, ())
+                shared = shared_lengths(request, mine)
+                best = max((s for s, k in zip(mine, shared) if k == s.length), key=lambda s: s.length, default=None)
+                report = self._explain(request, ns, best, max(shared, default=0), by_ns)
                 if best is not None and id(best) in from_disk:
                     report = dataclasses.replace(report, source="disk")
                 if best is None:
                     self.counters["misses_empty_namespace" if ns not in by_ns else "misses_no_prefix"] += 1
-                    hits.append(Hit(None, 0, len(toks), report))
+                    hits.append(Hit(None, 0, len(request), report))
                     continue
                 best.hits += 1
                 best.last_used = self.clock()
                 best.priority = priority(best, self._age, self._page_bytes)
-                self._touch((ns, best.tokens))
+                self._touch((ns, best.key))
                 self.counters["hits"] += 1
-                self.counters["tokens_reused"] += len(best.tokens)
-                if len(best.tokens) == len(toks):
+                self.counters["tokens_reused"] += best.length
+                if best.length == len(request):
                     self.counters["exact_hits"] += 1
-                hits.append(Hit(best, len(best.tokens), len(toks), report))
+                hits.append(Hit(best, best.length, len(request), report))
             return hits
 
-    def _promote(self, requests, namespace) -> set[int]:
+    def _promote(self, requests: Sequence[Tokens], namespace) -> set[int]:
         """Bring back from the disk tier each request's longest prefix where it beats memory's
         (before any hit is handed out, so that the pages its pool allocation evicts are no hit's).
         Returns the ids of the snapshots brought back. Engine thread only (it writes device pages)."""
         out = set()
-        for toks, ns in zip(requests, namespace):
-            toks, request = tuple(toks), as_array(toks)
-            mem = max((len(s.tokens) for (n, t), s in self._entries.items()
-                       if n == ns and len(t) <= len(toks) and _starts_with(request, s)), default=0)
-            got = self.disk.fetch(toks, ns, mem)
+        for request, ns in zip(requests, namespace):
+            mine = [s for (n, _), s in self._entries.items() if n == ns]
+            mem = max((s.length for s, k in zip(mine, shared_lengths(request, mine)) if k == s.length), default=0)
+            got = self.disk.fetch(request.as_tuple(), ns, mem)
             if got is None:
                 continue
             entry, cache, logits, ks, vs = got
@@ -252,30 +257,29 @@ class SnapshotStore:
             out.add(id(snap))
         return out
 
-    def _explain(self, request: np.ndarray, ns: str, best: Snapshot | None, by_ns: dict) -> CacheReport:
+    def _explain(self, request: Tokens, ns: str, best: Snapshot | None, shared: int, by_ns: dict) -> CacheReport:
         """The cache report of one lookup (hybridjax.prefix_report): where its prefix came from,
-        why it was not longer. Cost: one prefix comparison per stored snapshot of its tenant."""
-        others = [s.array for n, snaps in by_ns.items() if n != ns and tenant(n) == tenant(ns) for s in snaps]
-        return explain(request, len(best.tokens) if best else 0, best.kind if best else "none",
-                       [s.array for s in by_ns.get(ns, ())], others, self._evicted.longest_prefix(ns, request),
-                       self.checkpoint_interval)
+        why it was not longer. `shared`: the longest common prefix of the request with a snapshot
+        of its namespace. Cost: one prefix comparison per token array the tenant's other
+        namespaces' snapshots share."""
+        others = [s for n, snaps in by_ns.items() if n != ns and tenant(n) == tenant(ns) for s in snaps]
+        elsewhere = max((s.length for s, k in zip(others, shared_lengths(request, others)) if k == s.length), default=0)
+        return explain(best.length if best else 0, best.kind if best else "none", shared, elsewhere,
+                       self._evicted.longest_prefix(ns, request.array), self.checkpoint_interval)
 
     # --- insertion and eviction -------------------------------------------------------
-    def insert(self, tokens: Sequence[int], cache, logits: jax.Array, *, namespace: str = "",
+    def insert(self, tokens: Sequence[int] | Tokens, cache, logits: jax.Array, *, namespace: str = "",
                kind: str = "prompt", supersede: bool = True, pages: Sequence[int] = (),
                persist: bool = True) -> Snapshot:
         """Store a snapshot (the store takes its own hold on `pages`); an entry with the same
-        tokens keeps its older value, equal by construction. With a disk tier, a new snapshot is
+        tokens keeps its older value, equal by construction. `tokens` may be a `Tokens` (a prefix
+        of a read-only array the caller shares, never writes). With a disk tier, a new snapshot is
         queued for writing unless `persist` is False (it came from disk)."""
         if kind not in KINDS:
             raise ValueError(f"snapshot kind must be one of {KINDS}, got {kind!r}")
-        # One conversion in C (a 28k-token list: ~1 ms, against ~3 ms through int() per token): the
-        # key's Python ints (numpy's would pickle as numpy) and the int32 array lookups compare.
-        array = np.asarray(tokens, np.int64)
-        tokens = tuple(array.tolist())
+        tokens = Tokens.of(tokens)
         now = self.clock()
-        snap = Snapshot(tokens, cache, logits, namespace, kind, now, now, pages=tuple(int(p) for p in pages),
-                        _array=as_array(array))
+        snap = Snapshot(tokens, cache, logits, namespace, kind, now, now, pages=tuple(int(p) for p in pages))
         with self._lock:
             key = (namespace, tokens)
             if key in self._entries:
@@ -302,19 +306,16 @@ class SnapshotStore:
         self._entries[key] = self._entries.pop(key)
 
     def _drop_superseded(self, snap: Snapshot) -> None:
-        ns, toks = snap.namespace, snap.tokens
+        ns, toks = snap.namespace, snap.key
         same_ns = [s for (n, _), s in self._entries.items() if n == ns and s is not snap]
         for old in same_ns:
-            n = len(old.tokens)
-            if old.kind not in SUPERSEDABLE or n >= len(toks) or toks[:n] != old.tokens or old.hits > 1:
+            if old.kind not in SUPERSEDABLE or old.length >= toks.length or old.hits > 1 or not old.key.prefix_of(toks):
                 continue
             # A branch point: some other entry extends `old` but is not on the new snapshot's path.
-            branches = any(
-                len(o.tokens) > n and o.tokens[:n] == old.tokens and toks[: len(o.tokens)] != o.tokens
-                for o in same_ns if o is not old
-            )
+            branches = any(o.length > old.length and old.key.prefix_of(o.key) and not o.key.prefix_of(toks)
+                           for o in same_ns if o is not old)
             if not branches:
-                self._remove((ns, old.tokens), "superseded")
+                self._remove((ns, old.key), "superseded")
 
     def _remove(self, key, reason: str) -> None:
         snap = self._entries.pop(key)
@@ -392,7 +393,7 @@ class SnapshotStore:
             name = hashlib.sha256(repr((self.model_id, snap.namespace, snap.tokens)).encode()).hexdigest()[:32] + FILE_SUFFIX
             _write_file(d / name, {
                 "version": FORMAT_VERSION, "model_id": self.model_id, "namespace": snap.namespace,
-                "kind": snap.kind, "tokens": np.asarray(snap.tokens, np.int32),
+                "kind": snap.kind, "tokens": np.array(snap.array),
                 "cache": jax.tree_util.tree_map(np.asarray, snap.cache), "logits": np.asarray(snap.logits),
                 "pages": [digest_of[p] for p in snap.pages],
             })
@@ -475,11 +476,18 @@ class SnapshotStore:
             return {}
 
 
-def _starts_with(request: np.ndarray, snap: Snapshot) -> bool:
-    """Whether the request's tokens (int32) start with the snapshot's (compared in numpy: a Python
-    tuple slice copies and compares one object at a time)."""
-    n = len(snap.tokens)
-    return n <= len(request) and bool(np.array_equal(request[:n], snap.array))
+def shared_lengths(request: Tokens, snaps: Sequence[Snapshot]) -> list[int]:
+    """The common prefix of `request` with each snapshot (its length where it is a prefix of the
+    request). One numpy comparison per token array the snapshots share, not one per snapshot: a
+    conversation's ~100 checkpoints at 28k tokens lie on about a dozen prompt arrays."""
+    upto: dict[int, tuple[np.ndarray, int]] = {}  # id(array) -> (array, the longest snapshot on it)
+    for s in snaps:
+        base = s.key.base
+        if s.length > upto.get(id(base), (None, 0))[1]:
+            upto[id(base)] = (base, s.length)
+    common = {i: len(request) if base is request.base else common_prefix(request.array, base[:n])
+              for i, (base, n) in upto.items()}
+    return [min(s.length, common.get(id(s.key.base), 0)) for s in snaps]
 
 
 def page_digests(ks: Sequence[np.ndarray], vs: Sequence[np.ndarray]) -> list[bytes]:

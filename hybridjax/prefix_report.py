@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -77,7 +76,9 @@ class EvictionRecord:
     def add(self, namespace: str, tokens: np.ndarray) -> None:
         if len(tokens) > self.max_tokens:
             return
-        self._items.append((namespace, tokens))
+        # A copy: a snapshot's tokens may be a view of a longer request's array, which the bound
+        # (in tokens) would not count.
+        self._items.append((namespace, np.array(tokens)))
         self._total += len(tokens)
         while self._total > self.max_tokens:
             self._total -= len(self._items.popleft()[1])
@@ -102,25 +103,20 @@ class EvictionRecord:
         return len(self._items)
 
 
-def explain(request: np.ndarray, matched: int, source: str, same_namespace: Iterable[np.ndarray],
-            other_namespaces: Iterable[np.ndarray], evicted: int, checkpoint_interval: int) -> CacheReport:
-    """The report for one lookup. `request`: its tokens; `matched`/`source`: what the lookup reused
-    (0/"none" on a miss); `same_namespace`: the tokens of the stored snapshots in its namespace;
-    `other_namespaces`: those of the same tenant's other namespaces; `evicted`: the longest evicted
-    prefix of the request in its namespace (EvictionRecord.longest_prefix)."""
-    elsewhere = max((len(t) for t in other_namespaces
-                     if matched < len(t) <= len(request) and np.array_equal(request[: len(t)], t)), default=0)
+def explain(matched: int, source: str, shared: int, elsewhere: int, evicted: int,
+            checkpoint_interval: int) -> CacheReport:
+    """The report for one lookup. `matched`/`source`: what the lookup reused (0/"none" on a miss);
+    `shared`: the longest common prefix of the request with a stored snapshot of its namespace;
+    `elsewhere`: the longest snapshot of the same tenant's other namespaces that is a prefix of the
+    request; `evicted`: the longest evicted prefix of the request in its namespace
+    (EvictionRecord.longest_prefix)."""
+    elsewhere = elsewhere if elsewhere > matched else 0
     if evicted > matched and evicted >= elsewhere:
         return CacheReport(matched, source, "evicted")
     if elsewhere > matched:
         return CacheReport(matched, source, "other_namespace")
-    shared = max((common_prefix(request, t) for t in same_namespace), default=0)
     if shared > matched:
         if checkpoint_interval > 0 and matched == (shared // checkpoint_interval) * checkpoint_interval:
             return CacheReport(matched, source, "below_checkpoint_grid")
         return CacheReport(matched, source, f"diverged_at:{shared}")
     return CacheReport(matched, source, "hit" if matched else "new_prefix")
-
-
-def as_array(tokens: Sequence[int]) -> np.ndarray:
-    return np.asarray(tokens, np.int32)

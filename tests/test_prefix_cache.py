@@ -449,3 +449,52 @@ def test_random_operations_keep_lru_order_longest_prefix_and_byte_count():
         order = [t for t in order if t in kept]  # evictions take the least recently used
         assert [x.tokens for x in s.snapshots()] == order
         assert s.nbytes == sum(b for _, b, _ in s._buffers.values())
+
+
+# --- keys that share one token array ----------------------------------------------------
+
+
+def test_tokens_keys_compare_by_content_whatever_array_they_share():
+    from hybridjax.token_ids import Tokens, frozen_ids
+
+    a, b = frozen_ids([5, 6, 7, 8]), frozen_ids([5, 6, 9])
+    assert Tokens(a, 2) == Tokens(b, 2) == Tokens.of([5, 6]) and hash(Tokens(a, 2)) == hash(Tokens.of((5, 6)))
+    assert Tokens(a, 3) != Tokens(b, 3) and Tokens(a, 3) != Tokens(a, 2)
+    assert Tokens(a, 2).prefix_of(Tokens(b)) and Tokens(a, 1).prefix_of(Tokens(a, 3))
+    assert not Tokens(a, 3).prefix_of(Tokens(b)) and not Tokens(a, 3).prefix_of(Tokens(a, 2))
+    assert Tokens(a, 3).as_tuple() == (5, 6, 7) and type(Tokens(a).as_tuple()[0]) is int
+    with pytest.raises(ValueError):
+        Tokens(np.array([1, 2], np.int32))  # writable: its owner could change a stored key
+
+
+def test_random_operations_on_shared_arrays_match_a_store_of_copies():
+    """Keys that are prefixes of a few shared arrays (the engine's checkpoints of one prompt)
+    against the same operations with every key a copy of its tokens: the same hits, reports,
+    supersessions and evictions, in the same order."""
+    import random
+
+    from hybridjax.token_ids import Tokens, frozen_ids
+
+    rng = random.Random(1)
+    shared, copied = (SnapshotStore("m", max_entries=10, policy=p) for p in ("lru", "lru"))
+    shared.checkpoint_interval = copied.checkpoint_interval = 3
+    convs: list[np.ndarray] = []  # the shared arrays: conversations that branch and grow
+    for step in range(500):
+        if not convs or rng.random() < 0.15:
+            old = rng.choice(convs).tolist() if convs and rng.random() < 0.7 else []
+            tail = [rng.randint(0, 2) for _ in range(rng.randint(1, 9))]
+            convs.append(frozen_ids(old[: rng.randint(0, len(old))] + tail))
+        conv = rng.choice(convs)
+        key = Tokens(conv, rng.randint(1, len(conv)))
+        ns = rng.choice(["a:x", "a:y", "b:x"])
+        if rng.random() < 0.5:
+            kind = rng.choice(["prompt", "response", "checkpoint", "history"])
+            for s, k in ((shared, key), (copied, key.as_tuple())):
+                s.insert(k, tiny(step), logits(), namespace=ns, kind=kind)
+        else:
+            hits = [s.lookup(k, ns) for s, k in ((shared, key), (copied, list(key.as_tuple())))]
+            assert [(h.reused, h.report, h.snapshot and h.snapshot.kind) for h in hits[:1]] == \
+                   [(h.reused, h.report, h.snapshot and h.snapshot.kind) for h in hits[1:]], step
+        assert [(x.namespace, x.tokens, x.kind) for x in shared.snapshots()] == \
+               [(x.namespace, x.tokens, x.kind) for x in copied.snapshots()], step
+    assert shared.counters == copied.counters and shared.counters["evictions_superseded"] > 0

@@ -71,6 +71,16 @@ def test_reason_evicted_and_forgotten_when_stored_again():
     assert report(s, A + [5])["reason"] == "hit"
 
 
+def test_the_eviction_record_keeps_a_copy_not_the_request_array_it_viewed():
+    from hybridjax.token_ids import Tokens, frozen_ids
+
+    long_prompt = frozen_ids(list(range(1000)))
+    record = EvictionRecord(max_tokens=10)
+    record.add("ns", Tokens(long_prompt, 3).array)  # 3 tokens counted: must not hold 1000
+    (_, kept), = record._items
+    assert kept.base is None and kept.tolist() == [0, 1, 2] and record.longest_prefix("ns", long_prompt) == 3
+
+
 def test_superseded_entries_are_not_reported_as_evicted():
     s = SnapshotStore("m")
     put(s, A[:20])
