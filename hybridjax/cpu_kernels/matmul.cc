@@ -268,7 +268,7 @@ void ScalarQ8Tile(const Job& j, int64_t row0, int rows, int64_t n0, int64_t n1, 
         int32_t dot = 0;
         const int8_t* panel = w + (c / 32) * kq * 128 + (c % 32) * 4;
         for (int64_t k = b0; k < b1; ++k) dot += int32_t(xq[k]) * panel[(k / 4) * 128 + (k & 3)];
-        const float dd = d * WScaleAt(j, blocks, b0 / j.xblock, c);
+        const float dd = d * WScaleAt(j, blocks, b0 / j.xblock, c);  // AVX2's order: the paths agree bit for bit
         acc[r * width + (c - n0)] = std::fma(float(dot), dd, acc[r * width + (c - n0)]);
       }
     }
