@@ -63,7 +63,7 @@ def load(path, dtype=None, mesh=None, progress=None, pack_for_decode=False, quan
     `pack_for_decode`: bfloat16 projections are also kept as packed panels that the CPU decode
     kernel streams faster (`cpu_kernels.pack_params`; twice the weight memory; single device,
     CPUs with AVX2 or AVX512_BF16 only (`cpu_kernels.PACKED_ISAS`), else a no-op).
-    `quantize="int8"`: the projections become weight-only int8 with a scale per output column
+    `quantize="int8-wo"`: the projections become weight-only int8 with a scale per output column
     (`cpu_kernels.quantize_params`, from the weights in `dtype`); embeddings, norms and the MoE
     router stay in `dtype`. Decode streams a quarter of float32's weight bytes; single device,
     and not together with `pack_for_decode` (ValueError). `quantize="int8-dot"`: the same, plus

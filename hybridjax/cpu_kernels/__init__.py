@@ -405,7 +405,8 @@ def unpack_int8(p, k: int, n: int):
 
 
 # Storage of w's block scales for `matmul_q8`: float16 adds 1/16 byte per weight (as Q8_0), float32
-# 1/8. CHOSEN BELOW BY MEASUREMENT (benchmarks/README.md).
+# 1/8. float16 streamed at least as fast in the same runs (8 of 12 medians ahead, under load) and
+# its rounding (< 2^-10, rounded up) is small beside the weights' own (1/254 of a block's max).
 Q8_SCALE_DTYPE = jnp.float16
 
 
@@ -660,13 +661,17 @@ def quantize_int8(w):
 # softmax over experts whose ranking a small error can flip; it is tiny) and not the embedding.
 INT8_WEIGHTS = DENSE_WEIGHTS - {"router"}
 # int8: this CPU's int8 decode (`int8_mode`); int8-wo: weight-only, x stays float (the kernel
-# widens q); int8-dot: also the packed panels, x rounded to int8 per block for integer dots.
+# widens q); int8-dot: also panels quantised per block of 32 k, x rounded to int8 per block for
+# integer dots.
 QUANTIZE_MODES = ("int8", "int8-wo", "int8-dot")
-# Paths on which "int8" means int8-dot. None yet: on AVX2 (where the widening path is
-# compute-bound) int8-dot decoded 1.08-1.17x faster than weight-only int8, but its mean KL against
-# float32 was 1.9e-3 against 1.2e-3 (llama.cpp's Q8_0: 1.3e-3), so it stays opt-in
-# (benchmarks/README.md). Per-block weight scales, as Q8_0 has, are what would close that gap.
-INT8_DOT_ISAS: tuple[str, ...] = ()
+# Paths on which "int8" means int8-dot: AVX2, where the widening weight-only path is compute-bound.
+# With a weight scale per column per block of 32 (Q8_0's layout) int8-dot's mean KL against float32
+# on the 228M model is 1.29e-3 (weight-only 1.22e-3, llama.cpp's Q8_0 1.33e-3; one scale per column
+# gave 1.94e-3), and it decoded 1.03-1.26x weight-only int8's tok/s in the same runs
+# (benchmarks/README.md, "Per-block weight scales"). Its cost: 2 + 1/16 bytes per projection weight
+# (the panels beside prefill's per-column q) against weight-only's 1. AVX-512 CPUs run the same
+# AVX2 integer tile but were not measured, so "int8" stays weight-only there.
+INT8_DOT_ISAS: tuple[str, ...] = ("avx2",)
 
 
 def int8_mode(mode: str = "int8") -> str:
