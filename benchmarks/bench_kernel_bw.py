@@ -9,15 +9,18 @@ round-robin in one process (each round times every mode once, so load from other
 them alike): `f32` (float32 weight and x), `bf16` (bfloat16 weight and x, as a bf16 model
 decodes), `bf16-xf32` (bfloat16 weight, float32 x: the hi + lo split), `bf16-packed` (the same
 bfloat16 weight packed once into panels, `cpu_kernels.pack_bf16` / `matmul_packed`), `int8` (weight-only
-int8 with per-column scales, float32 x), `int8-dot` (the same int8 weight packed in quads of K,
-`cpu_kernels.pack_int8` / `matmul_q8`: x rounded to int8 per block, integer dots), `read` (no matmul: a plain sequential read of the float32
+int8 with per-column scales, float32 x), `int8-dot` (the weight quantised per column per block of
+32 k, float16 scales, packed in quads of K, `cpu_kernels.quantize_int8_blocks` / `pack_int8` /
+`matmul_q8`: x rounded to int8 per block, integer dots), `int8-dot-f32` (the same with float32
+scales), `read` (no matmul: a plain sequential read of the float32
 copies, on as many threads as the kernel may use: the bandwidth the kernel should reach). With `--old-so` an
 older build of the kernel (loaded beside the current one under another FFI target name) adds
 `old-bf16`, `old-f32` and `old-int8`, so a change is measured against its predecessor in the same run.
 
 Each timed call is one jitted chain over several copies of the weight (at least ~200 MB of
 float32 in all, more than the L3 holds), each call's input depending on the previous output,
-so the weight comes from memory as in a decode step. GB/s = weight bytes read / time; the
+so the weight comes from memory as in a decode step. GB/s = weight bytes read / time (int8-dot:
+one byte per weight, its scales not counted, so it compares with int8 as weights per second); the
 table shows the median over rounds and the best round (the round that had its cores).
 """
 
@@ -79,6 +82,7 @@ def main(argv=None) -> int:
     modes = {"f32": ("new", jnp.float32, jnp.float32), "bf16": ("new", jnp.bfloat16, jnp.bfloat16),
              "bf16-xf32": ("new", jnp.bfloat16, jnp.float32), "bf16-packed": ("packed", "packed", jnp.bfloat16),
              "int8": ("int8", "int8", jnp.float32), "int8-dot": ("q8", "int8-dot", jnp.float32),
+             "int8-dot-f32": ("q8", "int8-dot-f32", jnp.float32),
              "read": ("read", jnp.float32, None)}
     if a.old_so:
         modes.update({"old-f32": ("old", jnp.float32, jnp.float32), "old-bf16": ("old", jnp.bfloat16, jnp.bfloat16),
@@ -119,9 +123,12 @@ def main(argv=None) -> int:
         ws[jnp.bfloat16] = [w.astype(jnp.bfloat16) for w in ws[jnp.float32]]
         ws["packed"] = [(cpu_kernels.pack_bf16(w), n) for w in ws[jnp.bfloat16]]
         del base
-        want_int8 = {"int8", "int8-dot"} & set(modes)
-        ws["int8"] = [cpu_kernels.quantize_int8(w) for w in ws[jnp.float32]] if want_int8 else []
-        ws["int8-dot"] = [(cpu_kernels.pack_int8(q), s, n) for q, s in ws["int8"]]
+        ws["int8"] = [cpu_kernels.quantize_int8(w) for w in ws[jnp.float32]] if "int8" in modes else []
+        block = a.x_block or cpu_kernels.X_BLOCK
+        for mode, dtype in (("int8-dot", jnp.float16), ("int8-dot-f32", jnp.float32)):
+            blocked = ([cpu_kernels.quantize_int8_blocks(w, block, dtype) for w in ws[jnp.float32]]
+                       if mode in modes else [])
+            ws[mode] = [(cpu_kernels.pack_int8(q), cpu_kernels.pack_block_scales(d), n) for q, d in blocked]
         host = [np.asarray(w) for w in ws[jnp.float32]] if "read" in modes else []
         fns = {m: chain(calls[c]) for m, (c, _, _) in modes.items() if c != "read"}
         if "read" in modes:
@@ -142,8 +149,8 @@ def main(argv=None) -> int:
                     times[m].append(time.perf_counter() - t0)
             gbs = {}
             for m, (_, wd, _) in modes.items():
-                nbytes = copies * k * n * {"packed": 2, "int8": 1, "int8-dot": 1}.get(wd) if isinstance(wd, str) else \
-                    copies * k * n * jnp.dtype(wd).itemsize
+                per_weight = {"packed": 2}.get(wd, 1) if isinstance(wd, str) else jnp.dtype(wd).itemsize
+                nbytes = copies * k * n * per_weight
                 t = np.asarray(times[m])
                 gbs[m] = (nbytes / np.median(t) / 1e9, nbytes / t.min() / 1e9)
             ref = "read" if "read" in gbs else "f32"  # ratios against the plain read when there is one

@@ -63,12 +63,14 @@ def load(path, dtype=None, mesh=None, progress=None, pack_for_decode=False, quan
     `pack_for_decode`: bfloat16 projections are also kept as packed panels that the CPU decode
     kernel streams faster (`cpu_kernels.pack_params`; twice the weight memory; single device,
     CPUs with AVX2 or AVX512_BF16 only (`cpu_kernels.PACKED_ISAS`), else a no-op).
-    `quantize="int8"`: the projections become weight-only int8 with a scale per output column
+    `quantize="int8-wo"`: the projections become weight-only int8 with a scale per output column
     (`cpu_kernels.quantize_params`, from the weights in `dtype`); embeddings, norms and the MoE
     router stay in `dtype`. Decode streams a quarter of float32's weight bytes; single device,
     and not together with `pack_for_decode` (ValueError). `quantize="int8-dot"`: the same, plus
-    packed panels of q for decode's int8 x int8 dots (`cpu_kernels.matmul_q8`: activations rounded
-    to int8 per block of 32; faster on AVX2, a little less accurate); "int8-wo" = "int8" today."""
+    the weights quantised again with a scale per column per block of 32 k, packed, for decode's
+    int8 x int8 dots (`cpu_kernels.matmul_q8`: activations rounded to int8 per block of 32, as
+    llama.cpp's Q8_0); "int8" is int8-dot where `cpu_kernels.INT8_DOT_ISAS` has this CPU's best
+    path, else "int8-wo" (weight-only)."""
     _check_layout(mesh, pack_for_decode, quantize)
     from hybridjax.conversion import load as _load
 

@@ -80,8 +80,9 @@ def _int8_dense(rows: Array, w, transposed: bool) -> Array:
         if w.panels is not None:  # int8-dot: x rounded to int8 too, integer dots (matmul_q8)
             n = w.shape[1]
             return jax.lax.platform_dependent(
-                rows, w.q, w.scale, w.panels, cpu=lambda r, _, s, p: cpu_kernels.matmul_q8(r, p, s, n),
-                default=lambda r, q, s, _: xla(r, q, s))
+                rows, w.q, w.scale, w.panels, w.panel_scales,
+                cpu=lambda r, _q, _s, p, ps: cpu_kernels.matmul_q8(r, p, ps, n),
+                default=lambda r, q, s, _p, _ps: xla(r, q, s))
         return jax.lax.platform_dependent(rows, w.q, w.scale, cpu=cpu_kernels.matmul, default=xla)
     return xla(rows, w.q, w.scale)
 

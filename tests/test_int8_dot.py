@@ -1,20 +1,28 @@
-"""The int8 x int8 decode path (`cpu_kernels.pack_int8` / `matmul_q8`, `quantize_params(.., "int8-dot")`):
-the kernel against a NumPy reference of the same math on every path this CPU has, and the model.
+"""The int8 x int8 decode path (`cpu_kernels.quantize_int8_blocks` / `pack_int8` /
+`pack_block_scales` / `matmul_q8`, `quantize_params(.., "int8-dot")`): the packing, the kernel
+against a NumPy reference of the same math on every path this CPU has, and the model.
 
 Tolerances.
 - Kernel vs reference: both quantise x the same way (float32 operations in one order, rint half
   to even), so the int8 values and every block's integer dot are equal and exact (|dot| <=
-  1024 * 127 * 127 < 2^24, exact in float32 too). What differs is the float epilogue: the sum over
-  blocks of float(dot_b) * d_b, fused (AVX2) or rounded twice (scalar, NumPy), then times the
-  column's scale. Each of those <= 2 * blocks + 1 roundings errs by at most 2^-24 of the running
-  |sum|, itself at most A = sum_b |dot_b * d_b| * scale: we allow (2 * blocks + 2) * 2^-24 * A.
-  A wrong quantised value or a lost quad would move y by about d_b * |q| >> that bound.
-- Model vs float32 (tests/test_int8.py, both modes): as weight-only int8, plus x rounded to int8 per
-  block of 32, half a step of max |x_block| / 127 per value: about as much error again as the
-  weights' rounding, so still far inside 2% of the logit range; greedy tokens mostly equal.
+  1024 * 127 * 127 < 2^24, exact in float32 too). The reference then sums float(dot_b) * dx_b *
+  dw_b in float64 (exact to ~2^-50). The kernel rounds twice per block in float32 (dx_b * dw_b,
+  then the fused multiply-add into the sum) and once per added slice of K, each by at most 2^-24
+  of the running |sum|, itself at most A = sum_b |dot_b * dx_b * dw_b|: we allow
+  (2 * blocks + 2) * 2^-24 * A. A wrong quantised value, a lost quad or a scale of the wrong
+  block or column moves y by about dx_b * dw_b * |q| >> that bound.
+- Paths against each other: the scalar path does the AVX2 path's float operations in the same
+  order (a float32 product, then an fma per block), so their results are equal bit for bit.
+- Model vs float32 (tests/test_int8.py, both modes): each weight within half a step of its block's
+  max |w| / 127, never more than weight-only int8's per-column step, plus x rounded to int8 per
+  block of 32, half a step of max |x_block| / 127 per value: at most about as much error again as
+  weight-only int8's, so still inside 2% of the logit range (measured: 0.21%, 1.09% and 0.54%
+  against weight-only's 0.24%, 0.70%, 0.53%); greedy tokens mostly equal.
 """
 
 from __future__ import annotations
+
+import collections
 
 import jax
 import jax.numpy as jnp
@@ -35,32 +43,42 @@ def paths_here() -> list[str]:
     return list(cpu_kernels.ISAS[: cpu_kernels.ISAS.index(cpu_kernels.best_isa()) + 1])
 
 
-def reference(x, q, scale, block):
-    """(y, A): the kernel's math in NumPy, x [R, K] float32, q [K, N] int8, scale [N]; A bounds |y|
-    term by term (module docstring)."""
-    xq, d = cpu_kernels.quantize_x_blocks(x, block)
+def reference(x, q, d, block):
+    """(y, A, blocks): the kernel's math in NumPy, x [R, K] float32, q [K, N] int8, d [blocks, N]
+    w's block scales; the sum in float64; A bounds |y| term by term (module docstring)."""
+    xq, dx = cpu_kernels.quantize_x_blocks(x, block)
     k = x.shape[1]
-    acc = np.zeros((x.shape[0], q.shape[1]), np.float32)
+    dw = np.asarray(d, np.float64)
+    acc = np.zeros((x.shape[0], q.shape[1]), np.float64)
     mag = np.zeros_like(acc)
-    for b in range(d.shape[1]):
+    for b in range(dx.shape[1]):
         sl = slice(b * block, min(k, (b + 1) * block))
         dot = xq[:, sl].astype(np.int64) @ q[sl].astype(np.int64)  # exact
         assert np.abs(dot).max(initial=0) < 2**24
-        term = dot.astype(np.float32) * d[:, b : b + 1]
+        term = dot * dx[:, b : b + 1].astype(np.float64) * dw[b]
         acc = acc + term
         mag = mag + np.abs(term)
-    return acc * scale, mag * np.abs(scale), d.shape[1]
+    return acc, mag, dx.shape[1]
 
 
-def make(rng, rows, k, n):
+def make(rng, rows, k, n, block=cpu_kernels.X_BLOCK, scale_dtype=jnp.float16):
+    """x [rows, k] float32 and (q, d) = a weight [k, n] quantised per block, as NumPy arrays."""
     x = rng.standard_normal((rows, k)).astype(np.float32)
     x[:, ::7] *= 20  # outliers, so blocks get different scales
-    q, scale = cpu_kernels.quantize_int8(rng.standard_normal((k, n)).astype(np.float32))
-    return x, np.asarray(q), np.asarray(scale)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    w[:, ::3] *= rng.uniform(0.01, 10, (k, 1)).astype(np.float32)  # and so do w's blocks
+    q, d = cpu_kernels.quantize_int8_blocks(w, block, scale_dtype)
+    return x, np.asarray(q), np.asarray(d)
 
 
-def check(y, x, q, scale, block):
-    ref, mag, blocks = reference(x, q, scale, block)
+def q8(x, q, d, block=None, **kw):
+    """matmul_q8 on (q, d) packed."""
+    n = q.shape[1]
+    return cpu_kernels.matmul_q8(x, cpu_kernels.pack_int8(q), cpu_kernels.pack_block_scales(d), n, x_block=block, **kw)
+
+
+def check(y, x, q, d, block):
+    ref, mag, blocks = reference(x, q, d, block)
     y = np.asarray(y)
     assert y.shape == ref.shape and y.dtype == np.float32
     bound = (2 * blocks + 2) * U32 * mag + 1e-30
@@ -77,6 +95,35 @@ def test_pack_int8_roundtrip_and_layout():
     assert int(p[1, 2 * 128 + 3 * 4 + 1]) == int(q[9, 35])
 
 
+def test_quantize_int8_blocks_and_pack_block_scales():
+    """Per block of 32 k and column: |q| <= 127 with no clipping (the stored scale is rounded up),
+    w within half a step of q * d, a block of zeros d = 1 and q = 0; the packed scales' layout
+    and its exact inverse, in float16 and float32."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((70, 45)).astype(np.float32) * rng.uniform(1e-4, 10, (1, 45)).astype(np.float32)
+    w[32:64, 5] = 0
+    for dtype in (jnp.float16, jnp.float32):
+        q, d = cpu_kernels.quantize_int8_blocks(w, 32, dtype)
+        assert q.shape == (70, 45) and q.dtype == jnp.int8 and d.shape == (3, 45) and d.dtype == dtype
+        q, d = np.asarray(q), np.asarray(d)
+        d32 = np.repeat(d.astype(np.float32), 32, axis=0)[:70]
+        amax = np.abs(np.pad(w, ((0, 26), (0, 0)))).reshape(3, 32, 45).max(1)
+        # (XLA may divide by 127 as a multiply by its reciprocal: one float32 rounding either way)
+        assert np.all(d.astype(np.float32) >= amax / 127 * (1 - 2**-23)) and np.abs(q).max() <= 127
+        assert np.all(np.abs(q.astype(np.float32) * d32 - w) <= d32 * (0.5 + 1e-6))
+        assert d[1, 5] == 1 and not q[32:64, 5].any()
+        back = np.asarray(cpu_kernels.dequantize_int8_blocks(q, d))
+        np.testing.assert_array_equal(back, q.astype(np.float32) * d32)
+        s = cpu_kernels.pack_block_scales(d)
+        assert s.shape == (2, 3 * 32) and s.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(cpu_kernels.unpack_block_scales(s, 45)), d)
+        assert s[1, 2 * 32 + 3] == d[2, 35] and s[1, 31] == 0  # panel 1, block 2, lane 3; a padded column
+    # float16 scales are float32's rounded up by less than one float16 step (2^-10 relative)
+    d16 = np.asarray(cpu_kernels.quantize_int8_blocks(w, 32, jnp.float16)[1], np.float32)
+    d32 = np.asarray(cpu_kernels.quantize_int8_blocks(w, 32, jnp.float32)[1])
+    assert np.all(d16 >= d32) and np.all(d16 <= d32 * (1 + 2**-10) + 2**-24)
+
+
 def test_quantize_x_blocks():
     x = np.array([[0.0] * 4 + [1.0, -2.0, 0.5, 254.0]], np.float32)
     xq, d = cpu_kernels.quantize_x_blocks(x, 4)
@@ -89,15 +136,24 @@ SHAPES = [(1, 1, 1), (1, 7, 5), (2, 33, 47), (3, 130, 257), (4, 64, 16), (5, 102
           (7, 100, 31), (8, 257, 65)]
 
 
+@pytest.mark.parametrize("scale_dtype", [jnp.float16, jnp.float32])
 @pytest.mark.parametrize("isa", cpu_kernels.ISAS)
 @pytest.mark.parametrize("rows, k, n", SHAPES)
-def test_matmul_q8_against_reference(isa, rows, k, n):
+def test_matmul_q8_against_reference(isa, rows, k, n, scale_dtype):
     if isa not in paths_here():
         pytest.skip(f"this CPU has no {isa}")
     rng = np.random.default_rng(rows * 1000 + k)
-    x, q, scale = make(rng, rows, k, n)
-    p = cpu_kernels.pack_int8(q)
-    check(cpu_kernels.matmul_q8(x, p, scale, n, isa=isa), x, q, scale, cpu_kernels.X_BLOCK)
+    x, q, d = make(rng, rows, k, n, scale_dtype=scale_dtype)
+    check(q8(x, q, d, isa=isa), x, q, d, cpu_kernels.X_BLOCK)
+
+
+@pytest.mark.parametrize("scale_dtype", [jnp.float16, jnp.float32])
+def test_matmul_q8_same_bits_on_every_path(scale_dtype):
+    rng = np.random.default_rng(9)
+    x, q, d = make(rng, 5, 1023, 301, scale_dtype=scale_dtype)
+    outs = {isa: np.asarray(q8(x, q, d, isa=isa)) for isa in paths_here()}
+    for isa, y in outs.items():
+        np.testing.assert_array_equal(y, outs["scalar"], err_msg=isa)
 
 
 @pytest.mark.parametrize("isa", cpu_kernels.ISAS)
@@ -108,52 +164,65 @@ def test_matmul_q8_tiles_slices_threads_blocks(isa, block):
     if isa not in paths_here():
         pytest.skip(f"this CPU has no {isa}")
     rng = np.random.default_rng(block)
-    x, q, scale = make(rng, 11, 515, 300)
-    p = cpu_kernels.pack_int8(q)
+    x, q, d = make(rng, 11, 515, 300, block)
+    p, s = cpu_kernels.pack_int8(q), cpu_kernels.pack_block_scales(d)
     outs = []
     for threads, tile_cols, k_slices in ((1, 0, 0), (0, 0, 0), (0, 64, 3), (2, 32, 5)):
-        y = cpu_kernels.matmul_q8(x, p, scale, 300, isa=isa, max_threads=threads, tile_cols=tile_cols,
+        y = cpu_kernels.matmul_q8(x, p, s, 300, isa=isa, max_threads=threads, tile_cols=tile_cols,
                                   k_slices=k_slices, x_block=block)
-        check(y, x, q, scale, block)
+        check(y, x, q, d, block)
         outs.append(np.asarray(y))
     np.testing.assert_array_equal(outs[0], outs[1])  # the thread count never changes a result
-    y3 = cpu_kernels.matmul_q8(x.reshape(1, 11, 515), p, scale, 300, isa=isa, x_block=block)
+    y3 = cpu_kernels.matmul_q8(x.reshape(1, 11, 515), p, s, 300, isa=isa, x_block=block)
     np.testing.assert_array_equal(np.asarray(y3)[0], outs[1])
-    yv = jax.vmap(lambda r: cpu_kernels.matmul_q8(r, p, scale, 300, isa=isa, x_block=block))(x.reshape(11, 1, 515))
-    check(np.asarray(yv)[:, 0], x, q, scale, block)
+    yv = jax.vmap(lambda r: cpu_kernels.matmul_q8(r, p, s, 300, isa=isa, x_block=block))(x.reshape(11, 1, 515))
+    check(np.asarray(yv)[:, 0], x, q, d, block)
 
 
 def test_matmul_q8_bf16_x_zeros_and_errors():
     rng = np.random.default_rng(5)
-    x, q, scale = make(rng, 2, 96, 40)
-    p = cpu_kernels.pack_int8(q)
+    x, q, d = make(rng, 2, 96, 40)
+    p, s = cpu_kernels.pack_int8(q), cpu_kernels.pack_block_scales(d)
     xb = jnp.asarray(x, jnp.bfloat16)
-    check(cpu_kernels.matmul_q8(xb, p, scale, 40), np.asarray(xb, np.float32), q, scale, 32)
-    zero = cpu_kernels.matmul_q8(np.zeros((1, 96), np.float32), p, scale, 40)
+    check(cpu_kernels.matmul_q8(xb, p, s, 40), np.asarray(xb, np.float32), q, d, 32)
+    zero = cpu_kernels.matmul_q8(np.zeros((1, 96), np.float32), p, s, 40)
     np.testing.assert_array_equal(np.asarray(zero), 0.0)
     x[0, 3] = np.nan  # a NaN is not rounded away
-    y = np.asarray(cpu_kernels.matmul_q8(x, p, scale, 40))
+    y = np.asarray(cpu_kernels.matmul_q8(x, p, s, 40))
     assert np.isnan(y[0]).all() and np.isfinite(y[1]).all()
     with pytest.raises(ValueError, match="int8 panels"):
-        cpu_kernels.matmul_q8(x, q, scale, 40)
+        cpu_kernels.matmul_q8(x, q, s, 40)
     with pytest.raises(ValueError, match="x_block"):
-        cpu_kernels.matmul_q8(x, p, scale, 40, x_block=30)
-    with pytest.raises(ValueError, match="scale"):
-        cpu_kernels.matmul_q8(x, p, scale[:-1], 40)
+        cpu_kernels.matmul_q8(x, p, s, 40, x_block=30)
+    with pytest.raises(ValueError, match="block scales"):
+        cpu_kernels.matmul_q8(x, p, s[:, :-32], 40)
+    with pytest.raises(ValueError, match="block scales"):
+        cpu_kernels.matmul_q8(x, p, s.astype(jnp.bfloat16), 40)
+    with pytest.raises(ValueError, match="block scales"):  # blocks of 64 need half as many scales
+        cpu_kernels.matmul_q8(x, p, s, 40, x_block=64)
 
 
 def test_dense_int8_dot_weight():
+    """Decode rows: int8 x int8 on the block-quantised panels; prefill rows: XLA on the per-column
+    q (a different rounding of the same weight); gradients straight through the rounding of x."""
     rng = np.random.default_rng(1)
-    x, q, scale = make(rng, 3, 96, 200)
-    iw = cpu_kernels.Int8Weight(jnp.asarray(q), jnp.asarray(scale), cpu_kernels.pack_int8(q))
-    check(jax.jit(ops.dense)(x, iw), x, q, scale, cpu_kernels.X_BLOCK)
+    w = rng.standard_normal((96, 200)).astype(np.float32)
+    w[:, ::3] *= rng.uniform(0.01, 10, (96, 1)).astype(np.float32)
+    x = rng.standard_normal((3, 96)).astype(np.float32)
+    iw = cpu_kernels.quantize_params(collections.namedtuple("Ffn", "up")(w), "int8-dot").up
+    qb, db = (np.asarray(a) for a in cpu_kernels.quantize_int8_blocks(w))
+    np.testing.assert_array_equal(np.asarray(cpu_kernels.unpack_int8(iw.panels, 96, 200)), qb)
+    np.testing.assert_array_equal(np.asarray(cpu_kernels.unpack_block_scales(iw.panel_scales, 200)), db)
+    check(jax.jit(ops.dense)(x, iw), x, qb, db, cpu_kernels.X_BLOCK)
     text = jax.jit(ops.dense).lower(jnp.zeros((1, 96)), iw).as_text()
     assert cpu_kernels.TARGET_Q8 in text
+    q, scale = np.asarray(iw.q), np.asarray(iw.scale)
     many = rng.standard_normal((cpu_kernels.MAX_ROWS + 5, 96)).astype(np.float32)  # prefill: XLA on q
     np.testing.assert_allclose(np.asarray(jax.jit(ops.dense)(many, iw)), many @ (q * scale), rtol=1e-4, atol=1e-4)
-    # differentiable straight through the activation rounding
+    # differentiable straight through the activation rounding, to the block-quantised weight
+    wb = np.asarray(cpu_kernels.dequantize_int8_blocks(qb, db))
     g = jax.grad(lambda x: ops.dense(x, iw).sum())(jnp.asarray(x[:1]))
-    np.testing.assert_allclose(np.asarray(g)[0], (q * scale).sum(1), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(g)[0], wb.sum(1), rtol=1e-4, atol=1e-4)
 
 
 def test_quantize_modes():
@@ -188,8 +257,8 @@ def test_load_and_cli_int8_dot(hf_dirs, capsys):
 
     cfg, q = hybridjax.load_hf(hf_dirs["qwen3_5_dense"], dtype="float32", quantize="int8-dot")
     up = q.layers[0].ffn.up
-    assert isinstance(up, cpu_kernels.Int8Weight) and up.panels is not None
-    np.testing.assert_array_equal(np.asarray(cpu_kernels.unpack_int8(up.panels, *up.shape)), np.asarray(up.q))
+    assert isinstance(up, cpu_kernels.Int8Weight) and up.panels is not None and up.panel_scales is not None
+    assert up.panel_scales.dtype == cpu_kernels.Q8_SCALE_DTYPE
     _, wo = hybridjax.load_hf(hf_dirs["qwen3_5_dense"], dtype="float32", quantize="int8-wo")
     assert wo.layers[0].ffn.up.panels is None
     args = ["generate", "--no-compile-cache", "--prompt", "Hello", "--max-new-tokens", "3", "--quantize", "int8-dot"]

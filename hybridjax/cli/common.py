@@ -93,11 +93,12 @@ PACK_HELP = ("with --dtype bfloat16 on one CPU device with AVX2 or AVX512_BF16: 
              "bf16 weight memory")
 
 QUANTIZE_MODES = ("int8", "int8-wo", "int8-dot")  # cpu_kernels.QUANTIZE_MODES (no import of the kernels here)
-QUANTIZE_HELP = ("int8: int8 projections, one scale per output column (decode on CPU reads a quarter of "
-                 "float32's weight bytes; embeddings, norms and the MoE router stay in --dtype); one device "
-                 "only; int8 and int8-wo are weight-only int8. int8-dot: decode also rounds the activations to "
-                 "int8 per block of 32 and multiplies integers (faster on AVX2, somewhat less accurate; a "
-                 "second int8 copy of the weights)")
+QUANTIZE_HELP = ("int8: int8 projections, one scale per output column (decode on CPU reads about a quarter "
+                 "of float32's weight bytes; embeddings, norms and the MoE router stay in --dtype); one device "
+                 "only; int8-wo: weight-only int8. int8-dot: also a second int8 copy with a scale per block of "
+                 "32 (as llama.cpp's Q8_0), and decode rounds the activations to int8 per block of 32 and "
+                 "multiplies integers (faster on AVX2, about as accurate). int8 is int8-dot on AVX2-only CPUs, "
+                 "else int8-wo")
 
 
 def use_compile_cache(directory: str | None, enabled: bool = True) -> None:
@@ -141,7 +142,7 @@ def load_model(model: str | None, dtype: str | None = None, mesh: str | None = N
     """(cfg, params, tokenizer or None, name) for a model directory, or the embedded default;
     with `mesh` (a spec for `hybridjax.make_mesh`) the params are placed on it as they are read.
     `pack`: bfloat16 projections also kept as the CPU decode kernel's packed panels (PACK_HELP).
-    `quantize`: "int8" for weight-only int8 projections (QUANTIZE_HELP)."""
+    `quantize`: "int8", "int8-wo" or "int8-dot" int8 projections (QUANTIZE_HELP)."""
     import hybridjax
 
     if pack and (dtype != "bfloat16" or mesh):

@@ -7,8 +7,9 @@
                                         # (routed experts, read in place; index outside [0, E): zeros)
     p = pack_bf16(w)                    # w [K, N] -> bfloat16 panels [ceil(N/32), ceil(K/2) * 64], once
     y = matmul_packed(x, p, n=N)        # = matmul(x, w.astype(bfloat16)), streamed from the panels
-    y = matmul_q8(x, pack_int8(q), scale, n=N)   # int8 x int8 dots: x rounded per block of 32
-    params = quantize_params(params)    # projections as Int8Weight(q, scale[, panels]): int8 decode
+    q, d = quantize_int8_blocks(w)      # int8 with a scale per column per block of 32 k (Q8_0-like)
+    y = matmul_q8(x, pack_int8(q), pack_block_scales(d), n=N)   # int8 x int8 dots, x rounded per block
+    params = quantize_params(params)    # projections as Int8Weight(q, scale[, panels, ...]): int8 decode
                                   # y [..., R, N] float32, accumulated in float32
 
 A decode step reads every weight once per token, so it is bound by memory bandwidth, and
@@ -395,14 +396,59 @@ def pack_int8(q):
     return q.reshape(kq, QUAD, panels, PANEL).transpose(2, 0, 3, 1).reshape(panels, kq * QUAD * PANEL)
 
 
-_pack_int8_jit = jax.jit(pack_int8)
-
 
 def unpack_int8(p, k: int, n: int):
     """The inverse of `pack_int8`: panels -> int8 [K, N]."""
     panels = p.shape[0]
     kq = p.shape[1] // (QUAD * PANEL)
     return p.reshape(panels, kq, PANEL, QUAD).transpose(1, 3, 0, 2).reshape(QUAD * kq, panels * PANEL)[:k, :n]
+
+
+# Storage of w's block scales for `matmul_q8`: float16 adds 1/16 byte per weight (as Q8_0), float32
+# 1/8. float16 streamed at least as fast in the same runs (8 of 12 medians ahead, under load) and
+# its rounding (< 2^-10, rounded up) is small beside the weights' own (1/254 of a block's max).
+Q8_SCALE_DTYPE = jnp.float16
+
+
+def quantize_int8_blocks(w, block: int = X_BLOCK, scale_dtype=None):
+    """int8 with one scale per output column per block of `block` consecutive k (the blocks of x in
+    `matmul_q8`): w [K, N] -> (q int8 [K, N], d [ceil(K / block), N] in scale_dtype, default
+    Q8_SCALE_DTYPE). d = max |w| / 127 over the block, stored rounded up (so no |w| / d exceeds
+    127), and q = round(w / d) against the stored d; blocks of zeros get d = 1 (q = 0)."""
+    dtype = jnp.dtype(Q8_SCALE_DTYPE if scale_dtype is None else scale_dtype)
+    w = jnp.asarray(w, jnp.float32)
+    k, n = w.shape
+    nb = -(-k // block)
+    wb = jnp.pad(w, ((0, nb * block - k), (0, 0))).reshape(nb, block, n)
+    amax = jnp.max(jnp.abs(wb), axis=1)
+    d = jnp.where(amax > 0, amax / 127.0, 1.0)
+    stored = d.astype(dtype)
+    stored = jnp.where(stored.astype(jnp.float32) < d, jnp.nextafter(stored, jnp.asarray(jnp.inf, dtype)), stored)
+    q = jnp.clip(jnp.round(wb / stored.astype(jnp.float32)[:, None, :]), -127, 127).astype(jnp.int8)
+    return q.reshape(nb * block, n)[:k], stored
+
+
+def dequantize_int8_blocks(q, d, block: int = X_BLOCK):
+    """q [K, N] int8, d [ceil(K / block), N] -> float32 [K, N]: the weight they stand for."""
+    k = q.shape[0]
+    return q.astype(jnp.float32) * jnp.repeat(jnp.asarray(d, jnp.float32), block, axis=0)[:k]
+
+
+def pack_block_scales(d):
+    """d [blocks, N] -> [ceil(N / 32), blocks * 32] in d's dtype, for `matmul_q8`: panel j holds
+    block b's scales of columns 32j .. 32j + 31 at b * 32, so the kernel reads them in step with
+    `pack_int8`'s panel j. Padded columns get 0 (their weights are 0 too)."""
+    d = jnp.asarray(d)
+    nb, n = d.shape
+    panels = -(-n // PANEL)
+    d = jnp.pad(d, ((0, 0), (0, PANEL * panels - n)))
+    return d.reshape(nb, panels, PANEL).transpose(1, 0, 2).reshape(panels, nb * PANEL)
+
+
+def unpack_block_scales(s, n: int):
+    """The inverse of `pack_block_scales`: [ceil(N / 32), blocks * 32] -> [blocks, N]."""
+    panels, nb = s.shape[0], s.shape[1] // PANEL
+    return s.reshape(panels, nb, PANEL).transpose(1, 0, 2).reshape(nb, panels * PANEL)[:, :n]
 
 
 def quantize_x_blocks(x, block: int = X_BLOCK):
@@ -421,41 +467,46 @@ def quantize_x_blocks(x, block: int = X_BLOCK):
     return q.reshape(r, nb * block)[:, :k], d.astype(np.float32)
 
 
-def _call_q8(x, p, scale, n, isa, max_threads, tile_cols, k_slices, x_block):
+def _call_q8(x, p, s, n, isa, max_threads, tile_cols, k_slices, x_block):
     out = jax.ShapeDtypeStruct(x.shape[:-1] + (n,), jnp.float32)
     call = jax.ffi.ffi_call(TARGET_Q8, out, vmap_method="expand_dims")
-    return call(x, p, scale, isa=np.int64(isa), max_threads=np.int64(max_threads), tile_cols=np.int64(tile_cols),
+    return call(x, p, s, isa=np.int64(isa), max_threads=np.int64(max_threads), tile_cols=np.int64(tile_cols),
                 k_slices=np.int64(k_slices), x_block=np.int64(x_block))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
-def _matmul_q8(x, p, scale, n, isa, max_threads, tile_cols, k_slices, x_block):
-    return _call_q8(x, p, scale, n, isa, max_threads, tile_cols, k_slices, x_block)
+def _matmul_q8(x, p, s, n, isa, max_threads, tile_cols, k_slices, x_block):
+    return _call_q8(x, p, s, n, isa, max_threads, tile_cols, k_slices, x_block)
 
 
 @_matmul_q8.defjvp
 def _matmul_q8_jvp(n, isa, max_threads, tile_cols, k_slices, x_block, primals, tangents):
-    # Straight through the activation rounding: the tangent of x @ (q * scale) with XLA.
-    x, p, scale = primals
-    dx, _, dscale = tangents
-    y = _matmul_q8(x, p, scale, n, isa, max_threads, tile_cols, k_slices, x_block)
-    q = unpack_int8(p[(0,) * (p.ndim - 2)], x.shape[-1], n).astype(jnp.float32)
+    # Straight through the activation rounding: the tangent of x @ (q * d) with XLA.
+    x, p, s = primals
+    dx, _, ds = tangents
+    y = _matmul_q8(x, p, s, n, isa, max_threads, tile_cols, k_slices, x_block)
+    k, lead = x.shape[-1], (0,) * (p.ndim - 2)
+    q = unpack_int8(p[lead], k, n)
     f32 = jnp.float32
-    dy = jnp.matmul(dx.astype(f32), q * scale) + jnp.matmul(x.astype(f32), q) * dscale
+    w = dequantize_int8_blocks(q, unpack_block_scales(s[lead], n), x_block)
+    dw = dequantize_int8_blocks(q, unpack_block_scales(ds[lead].astype(f32), n), x_block)
+    dy = jnp.matmul(dx.astype(f32), w) + jnp.matmul(x.astype(f32), dw)
     return y, dy
 
 
-def matmul_q8(x, p, scale, n: int, *, isa: str | None = None, max_threads: int | None = None,
+def matmul_q8(x, p, s, n: int, *, isa: str | None = None, max_threads: int | None = None,
               tile_cols: int = TILE_COLS, k_slices: int = K_SLICES, x_block: int | None = None):
-    """x [..., R, K] (float32 | bfloat16) @ (q * scale) -> [..., R, N] float32 with integer dots:
-    p = pack_int8(q) (q [K, N] int8), scale [N] float32, n = N.
+    """x [..., R, K] (float32 | bfloat16) @ (q * d) -> [..., R, N] float32 with integer dots:
+    p = pack_int8(q), s = pack_block_scales(d) for (q, d) = quantize_int8_blocks(w, x_block)
+    (q [K, N] int8, d [ceil(K / x_block), N] float16 or float32), n = N.
 
-    Each row of x is quantised to int8 per block of `x_block` values (`quantize_x_blocks`: d =
-    max |x| / 127); then y[r, c] = scale[c] * sum over blocks b of d[r, b] * (xq[r, b] . q[b, c]),
-    the dots exact in int32, the sum in float32. Not equal to `matmul(x, q, scale)`: x is
-    rounded too (Q8_0-like), for a weight read in 4 uops per 32 bytes on AVX2. x_block (default
-    X_BLOCK): a multiple of 4, at most 1024 (so a block's dot is exact in float32). Other
-    arguments as for `matmul`; the scalar path computes the same sums in plain C++."""
+    Each row of x is quantised to int8 per block of `x_block` values (`quantize_x_blocks`: dx =
+    max |x| / 127); then y[r, c] = sum over blocks b of float(xq[r, b] . q[b, c]) * (dx[r, b] *
+    d[b, c]), the dots exact in int32, the sum in float32 (a fused multiply-add per block). Not
+    equal to a float matmul: x is rounded too (as in Q8_0), for a weight read in 4 uops per 32
+    bytes on AVX2. x_block (default X_BLOCK): a multiple of 4, at most 1024 (so a block's dot is
+    exact in float32), the blocks of d too. Other arguments as for `matmul`; the scalar path
+    computes the same sums in plain C++."""
     if not available():
         raise RuntimeError(load_error())
     x, p = jnp.asarray(x), jnp.asarray(p)
@@ -469,13 +520,15 @@ def matmul_q8(x, p, scale, n: int, *, isa: str | None = None, max_threads: int |
     x_block = X_BLOCK if x_block is None else x_block  # read per call: a benchmark may set X_BLOCK
     if x_block <= 0 or x_block % QUAD or x_block > 1024:
         raise ValueError(f"matmul_q8: x_block must be a multiple of 4 up to 1024, got {x_block}")
-    scale = jnp.asarray(scale, jnp.float32)
-    if scale.shape != (n,):
-        raise ValueError(f"matmul_q8: scale must be [N] = [{n}], got {scale.shape}")
+    s = jnp.asarray(s)
+    want_s = (want[0], -(-k // x_block) * PANEL)
+    if s.shape != want_s or s.dtype not in (jnp.float16, jnp.float32):
+        raise ValueError(f"matmul_q8: block scales must be float16 or float32 {want_s} "
+                         f"(pack_block_scales), got {s.shape} {s.dtype}")
     if max_threads is None:
         max_threads = int(os.environ.get("HYBRIDJAX_CPU_THREADS", "0") or 0)
     lead = (1,) * (x.ndim - 2)
-    return _matmul_q8(x, p.reshape(lead + p.shape), scale.reshape(lead + (1, n)), int(n), _isa_code(isa),
+    return _matmul_q8(x, p.reshape(lead + p.shape), s.reshape(lead + s.shape), int(n), _isa_code(isa),
                       int(max_threads), int(tile_cols), int(k_slices), int(x_block))
 
 
@@ -532,14 +585,17 @@ class Int8Weight(_DecodeLayout):
     decode rows stream q through the kernel's int8 path (a quarter of float32's bytes), more rows
     run XLA's float32 matmul on q widened, the scale applied to the product.
 
-    `panels` (optional, `pack_int8(q)`): decode rows then go to `matmul_q8` instead, which rounds
-    the activations to int8 too and multiplies integers (the "int8-dot" layout). It is a second
-    copy of q (2 bytes per weight in all, half of bfloat16's): prefill keeps reading q."""
+    `panels`, `panel_scales` (optional, the "int8-dot" layout): the weight quantised again with a
+    scale per column per block of X_BLOCK k (`quantize_int8_blocks`, as Q8_0), packed
+    (`pack_int8`, `pack_block_scales`). Decode rows then go to `matmul_q8` instead, which rounds
+    the activations to int8 too and multiplies integers. It is a second int8 copy (2 + 1/16 bytes
+    per weight in all with float16 scales, about half of bfloat16's): prefill keeps reading q,
+    whose per-column scale XLA's matmul applies once, at the end."""
 
-    fields = ("q", "scale", "panels")
+    fields = ("q", "scale", "panels", "panel_scales")
 
-    def __init__(self, q, scale, panels=None):
-        self.q, self.scale, self.panels = q, scale, panels
+    def __init__(self, q, scale, panels=None, panel_scales=None):
+        self.q, self.scale, self.panels, self.panel_scales = q, scale, panels, panel_scales
 
     def __repr__(self):
         return f"Int8Weight(shape={self.shape}{', int8-dot' if self.panels is not None else ''})"
@@ -605,13 +661,17 @@ def quantize_int8(w):
 # softmax over experts whose ranking a small error can flip; it is tiny) and not the embedding.
 INT8_WEIGHTS = DENSE_WEIGHTS - {"router"}
 # int8: this CPU's int8 decode (`int8_mode`); int8-wo: weight-only, x stays float (the kernel
-# widens q); int8-dot: also the packed panels, x rounded to int8 per block for integer dots.
+# widens q); int8-dot: also panels quantised per block of 32 k, x rounded to int8 per block for
+# integer dots.
 QUANTIZE_MODES = ("int8", "int8-wo", "int8-dot")
-# Paths on which "int8" means int8-dot. None yet: on AVX2 (where the widening path is
-# compute-bound) int8-dot decoded 1.08-1.17x faster than weight-only int8, but its mean KL against
-# float32 was 1.9e-3 against 1.2e-3 (llama.cpp's Q8_0: 1.3e-3), so it stays opt-in
-# (benchmarks/README.md). Per-block weight scales, as Q8_0 has, are what would close that gap.
-INT8_DOT_ISAS: tuple[str, ...] = ()
+# Paths on which "int8" means int8-dot: AVX2, where the widening weight-only path is compute-bound.
+# With a weight scale per column per block of 32 (Q8_0's layout) int8-dot's mean KL against float32
+# on the 228M model is 1.29e-3 (weight-only 1.22e-3, llama.cpp's Q8_0 1.33e-3; one scale per column
+# gave 1.94e-3), and it decoded 1.03-1.26x weight-only int8's tok/s in the same runs
+# (benchmarks/README.md, "Per-block weight scales"). Its cost: 2 + 1/16 bytes per projection weight
+# (the panels beside prefill's per-column q) against weight-only's 1. AVX-512 CPUs run the same
+# AVX2 integer tile but were not measured, so "int8" stays weight-only there.
+INT8_DOT_ISAS: tuple[str, ...] = ("avx2",)
 
 
 def int8_mode(mode: str = "int8") -> str:
@@ -626,6 +686,12 @@ def int8_mode(mode: str = "int8") -> str:
 _quantize_int8_jit = jax.jit(quantize_int8)  # one compile per weight shape
 
 
+@jax.jit
+def _int8_dot_panels(w):
+    q, d = quantize_int8_blocks(w)
+    return pack_int8(q), pack_block_scales(d)
+
+
 def _is_weight_leaf(x) -> bool:
     return isinstance(x, (PackedWeight, Int8Weight))
 
@@ -633,7 +699,7 @@ def _is_weight_leaf(x) -> bool:
 def quantize_params(params, mode: str = "int8"):
     """params with every 2-d projection in INT8_WEIGHTS as an `Int8Weight` (int8, a scale per
     output column, computed from the weight as loaded; `mode` as in QUANTIZE_MODES: with
-    int8-dot each also keeps `pack_int8` panels). Embeddings, norms, gates' biases, the router
+    int8-dot each also keeps block-quantised panels, `Int8Weight`). Embeddings, norms, gates' biases, the router
     and MoE experts stay as they are. Single device (the kernel's)."""
     dot = int8_mode(mode) == "int8-dot"
 
@@ -641,7 +707,7 @@ def quantize_params(params, mode: str = "int8"):
         name = getattr(path[-1], "name", None) if path else None
         if name in INT8_WEIGHTS and not _is_weight_leaf(leaf) and getattr(leaf, "ndim", 0) == 2:
             q, scale = _quantize_int8_jit(leaf)
-            return Int8Weight(q, scale, _pack_int8_jit(q) if dot else None)
+            return Int8Weight(q, scale, *(_int8_dot_panels(leaf) if dot else ()))
         return leaf
 
     return jax.tree_util.tree_map_with_path(quantize, params, is_leaf=_is_weight_leaf)

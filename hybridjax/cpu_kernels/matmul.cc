@@ -38,8 +38,11 @@
 // (cpu_kernels.pack_int8): panel j holds columns 32j .. 32j + 31, quad p of weight rows
 // (4p .. 4p + 3) as 32 lanes of 4 bytes (w[4p, c] .. w[4p + 3, c]), zero-padded: a 32-byte load
 // is 4 consecutive k of 8 columns, the operand of vpmaddubsw. Each row of x is rounded to int8
-// per block of `x_block` values (scale max |x| / 127, as llama.cpp's Q8_0 activations), the dot
-// of a block is exact in int32, and y = scale[n] * sum over blocks of float(dot) * x's scale. On
+// per block of `x_block` values (scale max |x| / 127, as llama.cpp's Q8_0 activations), and so is
+// each column of w (cpu_kernels.quantize_int8_blocks: one scale per column per block, as Q8_0's
+// weights), the scales float16 or float32 [..., P, blocks * 32], panel by panel (block b of panel
+// j: its 32 columns' scales), read alongside the panel. The dot of a block is exact in int32, and
+// y[n] = sum over blocks of float(dot) * (x's scale * w's scale[n]). On
 // AVX2 the float path widens every weight (2 uops per 8) before its FMA and runs compute-bound;
 // this one multiplies 32 weights in 4 uops per row of x. Items: column tiles over the whole of
 // K, as for packed bf16; slices of K (tests) are whole blocks of x.
@@ -105,7 +108,7 @@ int DetectIsa() {
 #if HJ_X86
   unsigned a, b, c, d;
   if (!__get_cpuid(1, &a, &b, &c, &d)) return kScalar;
-  bool osxsave = c & (1u << 27), fma = c & (1u << 12), avx = c & (1u << 28);
+  bool osxsave = c & (1u << 27), fma = c & (1u << 12), avx = c & (1u << 28), f16c = c & (1u << 29);
   if (!(osxsave && avx)) return kScalar;
   unsigned xlo, xhi;
   __asm__("xgetbv" : "=a"(xlo), "=d"(xhi) : "c"(0));
@@ -117,7 +120,7 @@ int DetectIsa() {
   __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1);
   bool bf16 = a1 & (1u << 5);
   if (zmm_os && avx512f && avx512bw && avx512vl && fma) return bf16 ? kAvx512Bf16 : kAvx512;
-  if (ymm_os && avx2 && fma) return kAvx2;
+  if (ymm_os && avx2 && fma && f16c) return kAvx2;  // f16c: packed int8's float16 scales
 #endif
   return kScalar;
 }
@@ -139,6 +142,8 @@ struct Job {
   bool transposed;      // w is [n, k]: a tied embedding [vocab, D] read as the head
   bool packed;          // w is bf16 panels [ceil(n / 32), ceil(k / 2) * 64] (see the top)
   const float* scale;   // [n] (int8) or null
+  const void* wscale;   // packed int8: w's block scales [ceil(n / 32), blocks * 32], float16 or float32
+  bool wscale_f16;
   // Packed int8 with int8 activations (HjMatmulQ8, see the top): x quantised per block of xblock
   // values, as sign (xq) and magnitude (xu) bytes [rows, 4 * ceil(k / 4)] and scales xs [rows, blocks].
   const int8_t* xq;
@@ -154,6 +159,21 @@ inline float Bf16ToF32(uint16_t h) {
   float f;
   std::memcpy(&f, &u, 4);
   return f;
+}
+
+inline float F16ToF32(uint16_t h) {  // exact: every float16 is a float32
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  if (e == 0) return sign ? -std::ldexp(float(m), -24) : std::ldexp(float(m), -24);  // zero, subnormal
+  const uint32_t u = sign | (e == 31 ? 0x7f800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Column c's scale for block b of packed int8 (the layout at the top).
+inline float WScaleAt(const Job& j, int64_t blocks, int64_t b, int64_t c) {
+  const int64_t i = ((c / 32) * blocks + b) * 32 + c % 32;
+  return j.wscale_f16 ? F16ToF32(static_cast<const uint16_t*>(j.wscale)[i]) : static_cast<const float*>(j.wscale)[i];
 }
 
 inline uint16_t F32ToBf16(float f) {  // round to nearest even; NaN stays NaN
@@ -234,7 +254,7 @@ void ScalarPTile(const Job& j, int64_t row0, int rows, int64_t n0, int64_t n1, i
 }
 
 // Packed int8 (HjMatmulQ8, any CPU): w[k, c] sits at panel c / 32, quad k / 4, lane c % 32, byte
-// k % 4. Per block of x: an exact integer dot, then sum += float(dot) * x's block scale.
+// k % 4. Per block: an exact integer dot, then sum += float(dot) * (x's scale * w's scale).
 void ScalarQ8Tile(const Job& j, int64_t row0, int rows, int64_t n0, int64_t n1, int64_t kb, int64_t ke, float* acc) {
   const int8_t* w = static_cast<const int8_t*>(j.w);
   const int64_t width = n1 - n0, kq = (j.k + 3) / 4, blocks = (j.k + j.xblock - 1) / j.xblock;
@@ -248,7 +268,8 @@ void ScalarQ8Tile(const Job& j, int64_t row0, int rows, int64_t n0, int64_t n1, 
         int32_t dot = 0;
         const int8_t* panel = w + (c / 32) * kq * 128 + (c % 32) * 4;
         for (int64_t k = b0; k < b1; ++k) dot += int32_t(xq[k]) * panel[(k / 4) * 128 + (k & 3)];
-        acc[r * width + (c - n0)] += float(dot) * d;
+        const float dd = d * WScaleAt(j, blocks, b0 / j.xblock, c);  // AVX2's order: the paths agree bit for bit
+        acc[r * width + (c - n0)] = std::fma(float(dot), dd, acc[r * width + (c - n0)]);
       }
     }
   }
@@ -256,7 +277,7 @@ void ScalarQ8Tile(const Job& j, int64_t row0, int rows, int64_t n0, int64_t n1, 
 
 #if HJ_X86
 
-#define HJ_AVX2 __attribute__((target("avx2,fma")))
+#define HJ_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define HJ_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
 #define HJ_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
 
@@ -424,11 +445,17 @@ HJ_AVX2 void Avx2PackedTile(const Job& j, int64_t row0, int64_t n0, int64_t n1, 
 // vpmaddubsw takes one unsigned operand and saturates its pair sums at s16. So x goes in as |x|
 // (u8, <= 127) and its sign moves onto w (vpsignb; w in [-127, 127], so -w fits): a pair sums
 // to at most 2 * 127 * 127 = 32258 < 32767, never saturating; the s32 sums are exact.
-// Per block of x (one scale), the integer sums become float once: sum += float(dot) * d.
-template <int G>
+// Per block (one scale of x, one per column of w), the integer sums become float once:
+// sum += float(dot) * (d * ws), ws the block's 8 column scales per vector (1 load, 1 multiply).
+HJ_AVX2 inline __m256 LoadScales8(const float* p) { return _mm256_loadu_ps(p); }
+HJ_AVX2 inline __m256 LoadScales8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+template <int G, typename S>
 HJ_AVX2 inline void Avx2Q8Group(const int8_t* __restrict w, const uint8_t* __restrict xu,
                                 const int8_t* __restrict xq, int64_t ldx, const float* d, int64_t ldd,
-                                int64_t q0, int64_t q1, float* __restrict out, int64_t stride) {
+                                const S* ws, int64_t q0, int64_t q1, float* __restrict out, int64_t stride) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i s[G][4];
   for (int r = 0; r < G; ++r)
@@ -448,20 +475,23 @@ HJ_AVX2 inline void Avx2Q8Group(const int8_t* __restrict w, const uint8_t* __res
       }
     }
   }
+  __m256 wsv[4];
+  for (int g = 0; g < 4; ++g) wsv[g] = LoadScales8(ws + 8 * g);
   for (int r = 0; r < G; ++r) {
     const __m256 dv = _mm256_set1_ps(d[r * ldd]);
     for (int g = 0; g < 4; ++g) {
       float* o = out + r * stride + 8 * g;
-      _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][g]), dv, _mm256_loadu_ps(o)));
+      _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][g]), _mm256_mul_ps(dv, wsv[g]), _mm256_loadu_ps(o)));
     }
   }
 }
 
 // acc rows: whole panels. Rows of x go in pairs over each block of the panel (L1-resident after
 // the first pair), so the integer sums of a pair (8 ymm) and the weights fit the registers.
-template <int M>
-HJ_AVX2 void Avx2Q8Tile(const Job& j, int64_t row0, int64_t n0, int64_t n1, int64_t kb, int64_t ke, float* acc) {
+template <int M, typename S>
+HJ_AVX2 void Avx2Q8TileOf(const Job& j, int64_t row0, int64_t n0, int64_t n1, int64_t kb, int64_t ke, float* acc) {
   const int8_t* wbase = static_cast<const int8_t*>(j.w);
+  const S* sbase = static_cast<const S*>(j.wscale);
   const int64_t kq = (j.k + 3) / 4, stride = (n1 - n0 + 31) / 32 * 32, blocks = (j.k + j.xblock - 1) / j.xblock;
   const int8_t* xq = j.xq + row0 * 4 * kq;
   const uint8_t* xu = j.xu + row0 * 4 * kq;
@@ -473,14 +503,22 @@ HJ_AVX2 void Avx2Q8Tile(const Job& j, int64_t row0, int64_t n0, int64_t n1, int6
       const int64_t b1 = b0 + j.xblock < ke ? b0 + j.xblock : ke, q0 = b0 / 4, q1 = (b1 + 3) / 4;
       const int8_t* w = wbase + (panel * kq + q0) * 128;
       const float* d = xs + b0 / j.xblock;
+      const S* ws = sbase + (panel * blocks + b0 / j.xblock) * 32;
       const int64_t ldx = 4 * kq;
       int r = 0;
       for (; r + 2 <= M; r += 2)
-        Avx2Q8Group<2>(w, xu + r * ldx, xq + r * ldx, ldx, d + r * blocks, blocks, q0, q1, out + r * stride, stride);
+        Avx2Q8Group<2>(w, xu + r * ldx, xq + r * ldx, ldx, d + r * blocks, blocks, ws, q0, q1, out + r * stride,
+                       stride);
       if (r < M)
-        Avx2Q8Group<1>(w, xu + r * ldx, xq + r * ldx, ldx, d + r * blocks, blocks, q0, q1, out + r * stride, stride);
+        Avx2Q8Group<1>(w, xu + r * ldx, xq + r * ldx, ldx, d + r * blocks, blocks, ws, q0, q1, out + r * stride,
+                       stride);
     }
   }
+}
+
+template <int M>
+HJ_AVX2 void Avx2Q8Tile(const Job& j, int64_t row0, int64_t n0, int64_t n1, int64_t kb, int64_t ke, float* acc) {
+  (j.wscale_f16 ? Avx2Q8TileOf<M, uint16_t> : Avx2Q8TileOf<M, float>)(j, row0, n0, n1, kb, ke, acc);
 }
 
 // --- avx512: 16 columns per vector, masked tail ---------------------------------------
@@ -962,10 +1000,17 @@ ffi::Error MatmulCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
     return ffi::Error::InvalidArgument("hj_matmul: x float32/bfloat16, w float32/bfloat16/int8, y float32");
   if ((wtype == hj::kI8) != scale.has_value())
     return ffi::Error::InvalidArgument("hj_matmul: int8 weights take a scale, others none");
+  const bool q8 = packed && wtype == hj::kI8;
+  const int64_t blocks = q8 ? (K + x_block - 1) / x_block : 0;
   if (scale) {
     auto sd = scale->dimensions();
-    if (sd.size() != xd.size() || sd[nb] != 1 || sd[nb + 1] != N)
-      return ffi::Error::InvalidArgument("hj_matmul: scale must be [..., 1, N]");
+    const auto st = scale->element_type();
+    if (q8 && (sd.size() != xd.size() || sd[nb] != (N + 31) / 32 || sd[nb + 1] != blocks * 32 ||
+               !(st == ffi::DataType::F16 || st == ffi::DataType::F32)))
+      return ffi::Error::InvalidArgument(
+          "hj_matmul_q8: scale must be float16 or float32 [..., ceil(N / 32), ceil(K / x_block) * 32]");
+    if (!q8 && (sd.size() != xd.size() || sd[nb] != 1 || sd[nb + 1] != N || st != ffi::DataType::F32))
+      return ffi::Error::InvalidArgument("hj_matmul: scale must be float32 [..., 1, N]");
     for (size_t i = 0; i < nb; ++i)
       if (sd[i] != 1 && sd[i] != yd[i])
         return ffi::Error::InvalidArgument("hj_matmul: leading dims must equal y's or be 1");
@@ -996,8 +1041,7 @@ ffi::Error MatmulCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   } else {
     plan->xf.resize(total_rows * K);
   }
-  const bool q8 = packed && wtype == hj::kI8;
-  const int64_t k4 = (K + 3) / 4 * 4, blocks = q8 ? (K + x_block - 1) / x_block : 0;
+  const int64_t k4 = (K + 3) / 4 * 4;
   const void* xs = x.untyped_data();
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t r = 0; r < R; ++r) {
@@ -1060,7 +1104,11 @@ ffi::Error MatmulCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
     const int64_t w_elems = packed ? wd[nb] * wd[nb + 1] : K * N;
     j.w = static_cast<const char*>(w.untyped_data()) + wi * w_elems * wbytes;
     const int64_t si = scale && !w_shared ? BatchIndex(scale->dimensions(), yd, nb, g) : 0;
-    j.scale = scale ? static_cast<const float*>(scale->untyped_data()) + si * N : nullptr;
+    j.scale = scale && !q8 ? static_cast<const float*>(scale->untyped_data()) + si * N : nullptr;
+    j.wscale_f16 = q8 && scale->element_type() == ffi::DataType::F16;
+    j.wscale = q8 ? static_cast<const char*>(scale->untyped_data()) +
+                        si * scale->dimensions()[nb] * blocks * 32 * (j.wscale_f16 ? 2 : 4)
+                  : nullptr;
     j.y = yp + row_off * N;
     j.part = nullptr;
     plan->jobs.push_back(j);
@@ -1269,7 +1317,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HjMatmulQ8, MatmulQ8,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()  // x [..., R, K]
                                   .Arg<ffi::AnyBuffer>()  // w int8 [..., ceil(N / 32), ceil(K / 4) * 128]
-                                  .Arg<ffi::AnyBuffer>()  // scale [..., 1, N]
+                                  .Arg<ffi::AnyBuffer>()  // w's block scales [..., ceil(N / 32), blocks * 32]
                                   .Ret<ffi::AnyBuffer>()  // y [..., R, N]
                                   .Attr<int64_t>("isa")
                                   .Attr<int64_t>("max_threads")
