@@ -69,8 +69,8 @@ def load(path, dtype=None, mesh=None, progress=None, pack_for_decode=False, quan
     and not together with `pack_for_decode` (ValueError). `quantize="int8-dot"`: the same, plus
     the weights quantised again with a scale per column per block of 32 k, packed, for decode's
     int8 x int8 dots (`cpu_kernels.matmul_q8`: activations rounded to int8 per block of 32, as
-    llama.cpp's Q8_0); "int8" is int8-dot where `cpu_kernels.INT8_DOT_ISAS` has this CPU's best
-    path, else "int8-wo" (weight-only)."""
+    llama.cpp's Q8_0), 2 + 1/16 bytes per weight in all; "int8" is int8-dot where
+    `cpu_kernels.INT8_DOT_ISAS` has this CPU's best path (none yet), else "int8-wo" (weight-only)."""
     _check_layout(mesh, pack_for_decode, quantize)
     from hybridjax.conversion import load as _load
 

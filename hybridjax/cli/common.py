@@ -97,8 +97,8 @@ QUANTIZE_HELP = ("int8: int8 projections, one scale per output column (decode on
                  "of float32's weight bytes; embeddings, norms and the MoE router stay in --dtype); one device "
                  "only; int8-wo: weight-only int8. int8-dot: also a second int8 copy with a scale per block of "
                  "32 (as llama.cpp's Q8_0), and decode rounds the activations to int8 per block of 32 and "
-                 "multiplies integers (faster on AVX2, about as accurate). int8 is int8-dot on AVX2-only CPUs, "
-                 "else int8-wo")
+                 "multiplies integers (faster on AVX2, about as accurate; about 2 bytes per weight in all). "
+                 "int8 is int8-wo")
 
 
 def use_compile_cache(directory: str | None, enabled: bool = True) -> None:

@@ -664,14 +664,15 @@ INT8_WEIGHTS = DENSE_WEIGHTS - {"router"}
 # widens q); int8-dot: also panels quantised per block of 32 k, x rounded to int8 per block for
 # integer dots.
 QUANTIZE_MODES = ("int8", "int8-wo", "int8-dot")
-# Paths on which "int8" means int8-dot: AVX2, where the widening weight-only path is compute-bound.
-# With a weight scale per column per block of 32 (Q8_0's layout) int8-dot's mean KL against float32
-# on the 228M model is 1.29e-3 (weight-only 1.22e-3, llama.cpp's Q8_0 1.33e-3; one scale per column
-# gave 1.94e-3), and it decoded 1.03-1.26x weight-only int8's tok/s in the same runs
-# (benchmarks/README.md, "Per-block weight scales"). Its cost: 2 + 1/16 bytes per projection weight
-# (the panels beside prefill's per-column q) against weight-only's 1. AVX-512 CPUs run the same
-# AVX2 integer tile but were not measured, so "int8" stays weight-only there.
-INT8_DOT_ISAS: tuple[str, ...] = ("avx2",)
+# Paths on which "int8" means int8-dot. None yet, though on AVX2 it now has the accuracy and the
+# speed: with a weight scale per column per block of 32 (Q8_0's layout) int8-dot's mean KL against
+# float32 on the 228M model is 1.29e-3 (weight-only 1.22e-3, llama.cpp's Q8_0 1.33e-3; one scale
+# per column gave 1.94e-3), and it decoded 1.03-1.26x weight-only int8's tok/s in the same runs
+# (benchmarks/README.md, "Per-block weight scales"). What holds it back is memory: 2 + 1/16 bytes
+# per projection weight (the panels beside prefill's per-column q), more than bfloat16's 2, where a
+# user asking for int8 expects about 1. Once prefill reads the panels (and q is dropped), "avx2"
+# belongs here.
+INT8_DOT_ISAS: tuple[str, ...] = ()
 
 
 def int8_mode(mode: str = "int8") -> str:
