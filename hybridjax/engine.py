@@ -767,13 +767,12 @@ class Engine:
         positions. The narrowest is in the covering set, so any prompt is scored without waiting;
         where it is missing (a warm-up the caller skipped) it compiles at once on a thread of its
         own (`Compiles.first`) and this waits for it: the caller's thread never compiles."""
-        from hybridjax.generate import MAX_SCORE_TOP, prompt_logprobs, score_list
+        from hybridjax.generate import check_score_top, prompt_logprobs, score_list
 
         n = len(prompt_ids)
         if self.programs is None or n < 2 or n > self.max_len:
             return prompt_logprobs(self.params, prompt_ids, self.cfg, sp, top)
-        if not 0 <= top <= MAX_SCORE_TOP:
-            raise ValueError(f"prompt_logprobs: top must be in [0, {MAX_SCORE_TOP}], got {top}")
+        check_score_top(top)
         scorers = {s[2]: self.programs.get(s) for s in self.score_shapes() if self.programs.has(s)}
         if not scorers:
             narrowest = self.score_shapes()[0]

@@ -236,8 +236,7 @@ def prompt_logprobs(params: Params, prompt_ids: Sequence[int], cfg: Config, sp: 
     padded to its length bucket (padding on the right changes no position's score); the engine
     scores in pieces on programs it keeps instead (`Engine.prompt_logprobs`)."""
     n = len(prompt_ids)
-    if not 0 <= top <= MAX_SCORE_TOP:
-        raise ValueError(f"prompt_logprobs: top must be in [0, {MAX_SCORE_TOP}], got {top}")
+    check_score_top(top)
     if n < 2:
         return []
     tokens, _ = pad_prompts([prompt_ids])
@@ -245,6 +244,11 @@ def prompt_logprobs(params: Params, prompt_ids: Sequence[int], cfg: Config, sp: 
     cache = init_cache(cfg, 1, t, params.embed.dtype, capacity=t, mesh=params.mesh)
     out = _prompt_logprobs(params, tokens[0], cache, sampling_params(1) if sp is None else sp, cfg, chunk)
     return score_list(*(host_value(a) for a in out), n, top)
+
+
+def check_score_top(top: int) -> None:
+    if not 0 <= top <= MAX_SCORE_TOP:
+        raise ValueError(f"prompt_logprobs: top must be in [0, {MAX_SCORE_TOP}], got {top}")
 
 
 def score_list(lp, ids, top_lp, n: int, top: int) -> list[tuple[float, tuple]]:

@@ -589,7 +589,7 @@ class Int8Weight(_DecodeLayout):
     scale per column per block of X_BLOCK k (`quantize_int8_blocks`, as Q8_0), packed
     (`pack_int8`, `pack_block_scales`). Decode rows then go to `matmul_q8` instead, which rounds
     the activations to int8 too and multiplies integers. It is a second int8 copy (2 + 1/16 bytes
-    per weight in all with float16 scales, about half of bfloat16's): prefill keeps reading q,
+    per weight in all with float16 scales, a little over bfloat16's 2): prefill keeps reading q,
     whose per-column scale XLA's matmul applies once, at the end."""
 
     fields = ("q", "scale", "panels", "panel_scales")
