@@ -13,8 +13,8 @@ from typing import Union
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
+from hybridjax import pytree
 from hybridjax.config import FULL, Config
 
 Array = jax.Array
@@ -22,19 +22,19 @@ Array = jax.Array
 MIN_CAPACITY = 64  # smallest KV bucket, in tokens
 
 
-@struct.dataclass
+@pytree.dataclass
 class GDNState:
     conv: Array  # [B, W-1, C] float32: the last W-1 pre-conv inputs
     ssm: Array  # [B, Hv, K, V] float32: the delta-rule state
 
 
-@struct.dataclass
+@pytree.dataclass
 class KVState:
     k: Array  # [B, S, Hkv, Dh]
     v: Array  # [B, S, Hkv, Dh]
 
 
-@struct.dataclass
+@pytree.dataclass
 class PagedKV:
     """Attention KV in the engine's page pool (see hybridjax.pages): pages shared by many rows.
 
@@ -51,11 +51,11 @@ class PagedKV:
         return int(self.k.shape[1])
 
 
-@struct.dataclass
+@pytree.dataclass
 class Cache:
     layers: tuple  # tuple[GDNState | KVState | PagedKV, ...], aligned with the model's layers
     lengths: Array  # [B] int32: tokens seen by each row
-    max_len: int = struct.field(pytree_node=False, default=0)  # hard limit on tokens per row
+    max_len: int = pytree.static(default=0)  # hard limit on tokens per row
 
     @property
     def batch_size(self) -> int:

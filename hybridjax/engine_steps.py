@@ -30,9 +30,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
-from hybridjax import sharding
+from hybridjax import pytree, sharding
 from hybridjax.cache import Cache, GDNState, PagedKV
 from hybridjax.config import FULL, Config
 from hybridjax.generate import Sampler, next_token
@@ -46,7 +45,7 @@ MAX_STOPS = 8  # stop ids a row checks on the device; more are checked by the ho
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 
 
-@struct.dataclass
+@pytree.dataclass
 class EngineState:
     layers: tuple  # per model layer: GDNState [slots, ...] or the PagedKV pool [P, S, Hkv, Dh] (table None)
     lengths: Array  # [slots] int32: tokens in each row's cache
@@ -197,7 +196,7 @@ def mtp_pairs(params, state, rows, table, hidden, tokens, starts, counts, cfg, i
     return pool.replace(table=None)
 
 
-@struct.dataclass
+@pytree.dataclass
 class Drawn:
     """A step's draws: tokens [R] (-1 where none was drawn) and, when a row asked, the
     log-probability of its token and the MAX_TOP_LOGPROBS most likely ([R], [R, 20] x 2)."""
@@ -305,7 +304,7 @@ def _decode(params, state, rows, table, cfg, implementation=None):
     return (drawn, _take(state.done, rows), _take(state.lengths, rows)), pin_state(state, params.mesh)
 
 
-@struct.dataclass
+@pytree.dataclass
 class SpecDrawn:
     """A speculative step's draws: up to K + 1 tokens per row [R, K+1] (-1 past the row's count)
     and their log-probabilities as in `Drawn` ([R, K+1], [R, K+1, 20] x 2)."""

@@ -19,9 +19,9 @@ from typing import Iterator, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
 from hybridjax import cache as cache_lib
+from hybridjax import pytree
 from hybridjax.cache import Cache, GDNState, KVState, PagedKV, reserve
 from hybridjax.config import Config
 from hybridjax.model import forward, forward_hidden, lm_logits
@@ -259,7 +259,7 @@ def score_list(lp, ids, top_lp, n: int, top: int) -> list[tuple[float, tuple]]:
 # --- whole-call generate ---------------------------------------------------------------
 
 
-@struct.dataclass
+@pytree.dataclass
 class Generation:
     tokens: Array  # [B, N] generated tokens (N a bucket >= max_new_tokens; past n_generated: 0)
     n_generated: Array  # [B]

@@ -18,14 +18,14 @@ from typing import Any, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
+from hybridjax import pytree
 from hybridjax.config import FULL, Config
 
 Array = jax.Array
 
 
-@struct.dataclass
+@pytree.dataclass
 class AttentionParams:
     q_proj: Array  # [D, Hq * 2 * Dh]   per head: [q_h | gate_h]
     k_proj: Array  # [D, Hkv * Dh]
@@ -35,7 +35,7 @@ class AttentionParams:
     k_norm: Array  # [Dh]
 
 
-@struct.dataclass
+@pytree.dataclass
 class GDNParams:
     in_qkv: Array  # [D, C]  C = 2*Hk*K + Hv*V, order [q | k | v]
     in_z: Array  # [D, Hv * V]
@@ -48,14 +48,14 @@ class GDNParams:
     out_proj: Array  # [Hv * V, D]
 
 
-@struct.dataclass
+@pytree.dataclass
 class MLPParams:
     gate: Array  # [D, I]
     up: Array  # [D, I]
     down: Array  # [I, D]
 
 
-@struct.dataclass
+@pytree.dataclass
 class MoEParams:
     router: Array  # [D, E]
     gate: Array  # [E, D, I]
@@ -65,7 +65,7 @@ class MoEParams:
     shared_gate: Array  # [D, 1]
 
 
-@struct.dataclass
+@pytree.dataclass
 class DecoderLayer:
     input_norm: Array  # [D]  (1 + w)
     mixer: Union[GDNParams, AttentionParams]
@@ -73,7 +73,7 @@ class DecoderLayer:
     ffn: Union[MLPParams, MoEParams]
 
 
-@struct.dataclass
+@pytree.dataclass
 class MTPParams:
     """The multi-token-prediction head: predicts token t+2 from the main model's hidden state at t
     and the embedding of token t+1 (embeddings and LM head shared with the main model)."""
@@ -85,17 +85,17 @@ class MTPParams:
     norm: Array  # [D]  (1 + w)
 
 
-@struct.dataclass
+@pytree.dataclass
 class Params:
     embed: Array  # [vocab, D]
     layers: tuple  # tuple[DecoderLayer, ...]
     final_norm: Array  # [D]
     lm_head: Any  # [D, vocab], or None when tied to embed
-    extra: dict = struct.field(default_factory=dict)  # checkpoint tensors kept verbatim (vision tower; unused by the model)
+    extra: dict = pytree.field(default_factory=dict)  # checkpoint tensors kept verbatim (vision tower; unused by the model)
     mtp: Any = None  # MTPParams, or None when the checkpoint has no MTP head
     # The jax.sharding.Mesh the leaves are placed on (hybridjax.sharding.shard_params), static so
     # that `forward` sees it while tracing; None on one device.
-    mesh: Any = struct.field(pytree_node=False, default=None)
+    mesh: Any = pytree.static(default=None)
 
 
 # --- shapes ---------------------------------------------------------------------------

@@ -14,12 +14,13 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
+
+from hybridjax import pytree
 
 Array = jax.Array
 
 
-@struct.dataclass
+@pytree.dataclass
 class SamplingParams:
     temperature: Array  # [B] float32; 0 = greedy
     top_k: Array  # [B] int32; 0 = off
@@ -130,7 +131,7 @@ def row_keys(seeds: Sequence[int]) -> Array:
 # --- sampler state -----------------------------------------------------------------------
 
 
-@struct.dataclass
+@pytree.dataclass
 class Sampler:
     """Per-row sampling state carried between steps."""
 

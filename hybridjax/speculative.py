@@ -37,8 +37,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
+from hybridjax import pytree
 from hybridjax.cache import Cache, GDNState, KVState
 from hybridjax.config import Config
 from hybridjax.model import forward_hidden, lm_logits
@@ -59,7 +59,7 @@ ROLLBACKS = ("states", "rerun")
 _DRAFT, _ACCEPT, _RESIDUAL = 0x5EED0, 0x5EEA0, 0x5EEB0
 
 
-@struct.dataclass
+@pytree.dataclass
 class SpecState:
     """What a speculative step carries besides the sampler (B rows, K = drafted tokens)."""
 

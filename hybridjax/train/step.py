@@ -22,9 +22,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from flax import struct
 
-from hybridjax import sharding
+from hybridjax import pytree, sharding
 from hybridjax.config import Config
 from hybridjax.params import FLOAT32_LEAVES, Params, cast_params, init_params
 from hybridjax.train import lora as lora_lib
@@ -33,7 +32,7 @@ from hybridjax.train.loss import loss_terms, token_counts
 f32 = jnp.float32
 
 
-@struct.dataclass
+@pytree.dataclass
 class TrainState:
     params: Any  # the trainable pytree: Params (full training) or LoRA adapters; float32
     opt_state: Any
