@@ -9,6 +9,7 @@ executables beside it, in `executables/` (`hybridjax.engine_programs`).
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -89,3 +90,65 @@ def _announce_first_compile(path: Path) -> None:
     jax.monitoring.register_event_listener(on_event)
     jax.monitoring.register_event_duration_secs_listener(on_duration)
     _listening = True
+
+
+# --- programs kept as executables (hybridjax.engine_programs) ----------------------------------
+#
+# An executable JAX read from its persistent cache does not survive being serialized again: loaded
+# in another process, it fails at its first run ("Function wrapped_broadcast.1 not found"; XLA:CPU,
+# jax 0.10.2 and 0.11.2). So a program the engine keeps must be compiled, not read: its module is
+# named after the engine's key (`renamed`), which keeps JAX's entries of one key apart from every
+# other's, and a compile that still hits (the engine's file was lost after JAX wrote its entry)
+# is done again under a name no entry has (`engine_programs.ProgramSet`).
+
+
+def jit(fn=None, **options):
+    """`jax.jit(fn, **options)` that remembers fn and its options, so `renamed` can jit it again
+    under another name. A decorator too: `@compile_cache.jit(static_argnames=...)`."""
+    import jax
+
+    if fn is None:
+        return functools.partial(jit, **options)
+    jitted = jax.jit(fn, **options)
+    jitted.jit_options = options
+    return jitted
+
+
+def renamed(jitted, tag: str):
+    """`jitted` (made by `jit`) jitted again as `<function>_<tag>`: the same program in a module of
+    that name, so its key in JAX's persistent cache is the tag's own."""
+    import jax
+
+    fn = jitted.__wrapped__
+
+    @functools.wraps(fn)  # the signature too: static and donated arguments by name
+    def program(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    program.__name__ = program.__qualname__ = f"{fn.__name__}_{tag}"
+    return jax.jit(program, **jitted.jit_options)
+
+
+_hits = threading.local()  # JAX's persistent-cache hits of compiles on this thread
+
+
+def _count_hit(event: str, **kw) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _hits.n = getattr(_hits, "n", 0) + 1
+
+
+def cache_hits() -> int:
+    """JAX persistent-cache hits of this thread's compiles so far (JAX reports them in the thread
+    that compiles)."""
+    global _counting
+    if not _counting:
+        import jax
+
+        with _counting_lock:
+            if not _counting:
+                jax.monitoring.register_event_listener(_count_hit)
+                _counting = True
+    return getattr(_hits, "n", 0)
+
+
+_counting, _counting_lock = False, threading.Lock()

@@ -48,6 +48,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from hybridjax import compile_cache
 from hybridjax import engine_programs as programs
 from hybridjax import engine_steps as steps
 from hybridjax.config import Config
@@ -601,8 +602,8 @@ class Engine:
         # the prompt-scoring programs (echo with logprobs: `prompt_logprobs`), by piece width
         from hybridjax.generate import _score_piece, score_piece_inputs
 
-        lowerers["score"] = lambda r, t: _score_piece.lower(params, *score_piece_inputs(params, self.cfg, t, self.max_len),
-                                                            cfg=self.cfg)
+        lowerers["score"] = lambda r, t, tag: compile_cache.renamed(_score_piece, tag).lower(
+            params, *score_piece_inputs(params, self.cfg, t, self.max_len), cfg=self.cfg)
         return programs.program_set(programs.program_key(self.cfg, params, state, settings), lowerers, directory)
 
     def _fresh_state(self):

@@ -23,6 +23,7 @@ import logging
 import os
 import pickle
 import platform
+import secrets
 import threading
 import time
 from pathlib import Path
@@ -30,6 +31,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from hybridjax import compile_cache
 from hybridjax import engine_steps as steps
 
 log = logging.getLogger(__name__)
@@ -111,8 +113,9 @@ def shape_name(shape: tuple) -> str:
 
 class ProgramSet:
     """The executables of one engine configuration, by shape. `lowerers` maps a shape's name to
-    a function (rows, tokens) -> jax.stages.Lowered; `directory` (optional): where executables
-    are kept between runs. Thread-safe: the engine thread reads, a compile thread adds."""
+    a function (rows, tokens, tag) -> jax.stages.Lowered whose module is named after tag (the set's key:
+    `_compile`); `directory` (optional): where executables are kept between runs. Thread-safe: the
+    engine thread reads, a compile thread adds."""
 
     def __init__(self, key: str, lowerers: dict, directory: str | Path | None = None):
         self.key, self.lowerers = key, lowerers
@@ -143,7 +146,7 @@ class ProgramSet:
             exe = self._load(shape)
             how = "loaded" if exe is not None else "compiled"
             if exe is None:
-                exe = self.lowerers[shape[0]](shape[1], shape[2]).compile()
+                exe = self._compile(shape)
                 self._save(shape, exe)
             seconds = time.perf_counter() - t0
             with self._lock:
@@ -155,6 +158,19 @@ class ProgramSet:
                 self._compiled[shape] = exe
                 self._changed.notify_all()
             return how
+
+    def _compile(self, shape: tuple):
+        """`shape`'s executable compiled here, never one JAX read from its persistent cache (which
+        would not load again once kept: compile_cache, "programs kept as executables"). Modules
+        are named after this set's key, so JAX holds an entry of ours only if our file of it was
+        lost; then it compiles again under a name of its own."""
+        name, rows, tokens = shape
+        hits = compile_cache.cache_hits()
+        exe = self.lowerers[name](rows, tokens, self.key).compile()
+        if compile_cache.cache_hits() == hits:
+            return exe
+        log.info("%s was in JAX's compilation cache but not kept here: compiling it again to keep it", shape_name(shape))
+        return self.lowerers[name](rows, tokens, f"{self.key}_{secrets.token_hex(4)}").compile()
 
     def on_disk(self, shape: tuple) -> bool:
         """A kept executable exists for `shape` (it may still turn out unusable)."""
@@ -335,27 +351,29 @@ class StartUp:
 
 def engine_lowerers(cfg, params, state, *, slots: int, pages_per_row: int, num_pages: int, implementation,
                     speculative_tokens: int, row_args: tuple) -> dict:
-    """name -> (rows, tokens) -> Lowered, for every step the engine loop runs. `params`, `state`,
-    `row_args` (what setup_row takes after state, row, gdn, logits): abstract (shapes only:
-    lowering never touches the live, donated state)."""
+    """name -> (rows, tokens, tag) -> Lowered, for every step the engine loop runs, its module
+    named after `tag` (`compile_cache.renamed`). `params`, `state`, `row_args` (what setup_row
+    takes after state, row, gdn, logits): abstract (shapes only: lowering never touches the live,
+    donated state)."""
     i32 = lambda r: jax.ShapeDtypeStruct((r,), np.int32)  # noqa: E731
     table = lambda r: jax.ShapeDtypeStruct((r, pages_per_row), np.int32)  # noqa: E731
     page = jax.ShapeDtypeStruct((), np.int32)
     snapshot = lambda: jax.eval_shape(steps._read_row, state, page)  # noqa: E731  (traced only to compile)
+    named = compile_cache.renamed
     return {
-        "decode": lambda r, t: steps.decode.lower(params, state, i32(r), table(r), cfg, implementation),
-        "spec_decode": lambda r, t: steps.spec_decode.lower(params, state, i32(r), table(r), cfg, speculative_tokens,
-                                                            implementation),
-        "sample_first": lambda r, t: steps.sample_first.lower(state, i32(r)),
-        "prefill": lambda r, t: steps.prefill_chunk.lower(
+        "decode": lambda r, t, tag: named(steps.decode, tag).lower(params, state, i32(r), table(r), cfg, implementation),
+        "spec_decode": lambda r, t, tag: named(steps.spec_decode, tag).lower(
+            params, state, i32(r), table(r), cfg, speculative_tokens, implementation),
+        "sample_first": lambda r, t, tag: named(steps.sample_first, tag).lower(state, i32(r)),
+        "prefill": lambda r, t, tag: named(steps.prefill_chunk, tag).lower(
             params, state, i32(r), jax.ShapeDtypeStruct((r, t), np.int32), i32(r), table(r),
             jax.ShapeDtypeStruct((r,), np.bool_), cfg, implementation),
-        "setup_row": lambda r, t: steps.setup_row.lower(state, page, None, None, *row_args),
-        "setup_row_snapshot": lambda r, t: steps.setup_row.lower(state, page, *snapshot(), *row_args),
-        "set_bits": lambda r, t: steps.set_bits.lower(
+        "setup_row": lambda r, t, tag: named(steps.setup_row, tag).lower(state, page, None, None, *row_args),
+        "setup_row_snapshot": lambda r, t, tag: named(steps.setup_row, tag).lower(state, page, *snapshot(), *row_args),
+        "set_bits": lambda r, t, tag: named(steps.set_bits, tag).lower(
             state, i32(r), jax.ShapeDtypeStruct((r, steps.mask_words(cfg.vocab_size)), np.int32)),
-        "read_row": lambda r, t: steps.read_row.lower(state, page),
-        "copy_page": lambda r, t: steps.copy_page.lower(state, page, page),
+        "read_row": lambda r, t, tag: named(steps.read_row, tag).lower(state, page),
+        "copy_page": lambda r, t, tag: named(steps.copy_page, tag).lower(state, page, page),
     }
 
 

@@ -31,7 +31,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from hybridjax import pytree, sharding
+from hybridjax import compile_cache, pytree, sharding
 from hybridjax.cache import Cache, GDNState, PagedKV
 from hybridjax.config import FULL, Config
 from hybridjax.generate import Sampler, next_token
@@ -510,7 +510,7 @@ def _write_pages(state, ids, ks, vs):
                                for s, k, v in zip(_pools(state), ks, vs)])
 
 
-_donating = functools.partial(jax.jit, donate_argnames="state")
+_donating = compile_cache.jit(donate_argnames="state")  # (compile_cache.jit: the engine keeps these as executables)
 prefill_chunk = _donating(_prefill, static_argnames=("cfg", "implementation"))
 decode = _donating(_decode, static_argnames=("cfg", "implementation"))
 spec_decode = _donating(_spec_decode, static_argnames=("cfg", "k", "implementation"))
@@ -519,5 +519,5 @@ setup_row = _donating(_setup_row)
 set_bits = _donating(_set_bits)
 copy_page = _donating(_copy_page)
 write_pages = _donating(_write_pages)
-read_row = jax.jit(_read_row)
+read_row = compile_cache.jit(_read_row)
 read_pages = jax.jit(_read_pages)

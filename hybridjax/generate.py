@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybridjax import cache as cache_lib
-from hybridjax import pytree
+from hybridjax import compile_cache, pytree
 from hybridjax.cache import Cache, GDNState, KVState, PagedKV, reserve
 from hybridjax.config import Config
 from hybridjax.model import forward, forward_hidden, lm_logits
@@ -155,7 +155,7 @@ def _prompt_logprobs(params, tokens, cache, sp, cfg, chunk):
     return _score_positions(params, x[0], tokens, nxt, jnp.zeros((cfg.vocab_size,), bool), sp, cfg, chunk)[1]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+@compile_cache.jit(static_argnames=("cfg",), donate_argnames=("cache",))  # kept by the engine as an executable
 def _score_piece(params, cache, tokens, nxt, count, start, seen, sp, cfg):
     """One piece of a prompt scored in pieces (`score_in_pieces`): tokens [C] (`count` real, then
     padding) are the prompt's tokens from position `start`, nxt [C] the token after each, `seen`

@@ -192,11 +192,52 @@ def test_a_corrupt_or_foreign_executable_is_compiled_again(tmp_path, monkeypatch
     assert _engine(tmp_path, slots=3).programs.key != other.programs.key  # engine settings are in the key
 
 
+_KEEP_ONE = """
+import sys
+import jax, numpy as np
+from hybridjax import compile_cache, engine_programs
+
+compile_cache.use_compile_cache(sys.argv[1], announce=False)
+
+
+@compile_cache.jit
+def f(x):  # enough fusions that a re-serialized cache hit lacks some (60 steps: 1 of 1 runs failed)
+    for i in range(60):
+        x = jax.numpy.tanh(jax.numpy.tanh(x @ x.T * (i + 1.0)) - jax.numpy.exp(-x) ** 2.5 + jax.numpy.sum(x * i, axis=0))
+    return x
+
+
+x = np.full((64, 64), 0.01, np.float32)
+ps = engine_programs.ProgramSet("key", {"f": lambda r, t, tag: compile_cache.renamed(f, tag).lower(x)}, sys.argv[2])
+how = ps.ensure(("f", 1, 0))
+print(how, compile_cache.cache_hits(), float(ps.get(("f", 1, 0))(x).sum()))
+"""
+
+
+def test_a_program_in_jax_cache_but_not_kept_is_compiled_again_to_keep(tmp_path):
+    """JAX's persistent cache holds a program whose kept file was lost (a kill between the two
+    writes, a deleted file): the executable JAX reads would not load again once kept (XLA:CPU:
+    "Function ... not found" at its first run, in the next process), so it is compiled again
+    under a name of its own, kept, and the next process loads and runs it."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    keep = lambda: subprocess.run([sys.executable, "-c", _KEEP_ONE, str(tmp_path / "jax"), str(tmp_path / "exe")],  # noqa: E731
+                                  capture_output=True, text=True, env=env, timeout=300)
+    first = keep()
+    assert first.returncode == 0 and first.stdout.split()[:2] == ["compiled", "0"], first.stderr[-2000:]
+    (kept,) = (tmp_path / "exe").rglob("*.xla")
+    kept.unlink()  # lost: JAX's entry of it stays
+    again = keep()
+    assert again.returncode == 0 and again.stdout.split()[:2] == ["compiled", "1"], again.stderr[-2000:]
+    loaded = keep()
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
+    assert loaded.stdout.split() == ["loaded", "0", first.stdout.split()[2]]
+
+
 def _small_programs(tmp_path=None) -> engine_programs.ProgramSet:
     """A ProgramSet of small real programs, one per COMPILE_COST name (cheap to compile)."""
     import numpy as np
 
-    lower = lambda r, t: jax.jit(lambda x: jax.numpy.tanh(x * r) + t).lower(np.zeros((4,), np.float32))  # noqa: E731
+    lower = lambda r, t, tag: jax.jit(lambda x: jax.numpy.tanh(x * r) + t).lower(np.zeros((4,), np.float32))  # noqa: E731
     return engine_programs.ProgramSet("small", {name: lower for name in engine_programs.COMPILE_COST}, tmp_path)
 
 
