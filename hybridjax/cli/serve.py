@@ -12,8 +12,23 @@ from hybridjax.cli.common import (DTYPE_HELP, PACK_HELP, QUANTIZE_HELP, QUANTIZE
 
 def cmd_serve(args) -> int:
     from hybridjax.compile_cache import executable_dir
+
+    _check_serve_args(args)
+    if args.prefix_cache_dir and not args.no_prefix_cache:
+        from hybridjax.prefix_cache import DirectoryLock
+
+        DirectoryLock(args.prefix_cache_dir).release()  # in use by another server: say so before loading the model
+    multi = (args.num_processes or 1) > 1
+    from hybridjax.server.connections import bind
+
+    # The port before the model: one in use is an error now, not after loading and compiling.
+    sock = bind(args.host, args.port) if not multi or args.process_id == 0 else None
+    init_distributed(args)
+    use_compile_cache(args.compile_cache_dir, not args.no_compile_cache)
+    # The weights are read while the server's own modules import (FastAPI and the app: about
+    # 0.5 s of a warm restart).
+    loading = _Background(_load, args)
     from hybridjax.server import ServerConfig, serve
-    from hybridjax.server.app import bind
 
     sc = ServerConfig(
         host=args.host, port=args.port, slots=args.slots, max_len=args.max_len,
@@ -26,7 +41,31 @@ def cmd_serve(args) -> int:
         speculative_adaptive=args.speculative_adaptive, header_timeout_s=args.header_timeout,
         body_timeout_s=args.body_timeout, keep_alive_s=args.keep_alive, max_connections=args.max_connections,
     )
+    sc.executable_dir = str(executable_dir()) if executable_dir() and not args.no_compile_cache else None
+    cfg, params, tok, name = loading.result()
+    if not multi:
+        return serve(sc, cfg, params, tok, name, sock=sock)
+    # Process 0 serves HTTP; the others replay its engine steps (hybridjax.multihost).
+    import logging
 
+    from hybridjax import multihost
+
+    host = args.coordinator.rsplit(":", 1)[0].strip("[]")
+    if args.process_id != 0:
+        logging.getLogger("hybridjax.serve").info("process %d: following process 0's engine steps", args.process_id)
+        return multihost.follow(cfg, params, multihost.connect(host, cfg, params))
+    calls = multihost.lead(host, cfg, params)
+    # uvicorn re-raises SIGTERM once it has shut down; with the default action the process would
+    # die there, before `finally` tells the followers to stop.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    try:
+        return serve(sc, cfg, params, tok, name, calls=calls, sock=sock)
+    finally:
+        calls.close()
+
+
+def _check_serve_args(args) -> None:
+    """The flag combinations serve refuses, before anything loads."""
     if args.prefix_cache_disk_mb is not None and not args.prefix_cache_dir:
         raise CLIError("--prefix-cache-disk-mb needs --prefix-cache-dir (the directory the disk tier lives in)")
     multi = (args.num_processes or 1) > 1
@@ -38,15 +77,10 @@ def cmd_serve(args) -> int:
     if multi and args.speculative_tokens:
         # The speculative step is not among the steps followers replay (hybridjax.multihost).
         raise CLIError("--speculative-tokens is not supported across processes")
-    if args.prefix_cache_dir and not args.no_prefix_cache:
-        from hybridjax.prefix_cache import DirectoryLock
 
-        DirectoryLock(args.prefix_cache_dir).release()  # in use by another server: say so before loading the model
-    # The port before the model: one in use is an error now, not after loading and compiling.
-    sock = bind(args.host, args.port) if not multi or args.process_id == 0 else None
-    init_distributed(args)
-    use_compile_cache(args.compile_cache_dir, not args.no_compile_cache)
-    sc.executable_dir = str(executable_dir()) if executable_dir() and not args.no_compile_cache else None
+
+def _load(args):
+    """(cfg, params, tokenizer, name) for serve, with its two log lines."""
     import logging
     import time
 
@@ -60,23 +94,32 @@ def cmd_serve(args) -> int:
     log.info("loaded %s: %.1fM parameters, %.1f MB (%s), %d layers, context %d, in %.1f s", name, n / 1e6,
              nbytes / 2**20, params.embed.dtype, cfg.num_hidden_layers, min(args.max_len, cfg.max_position_embeddings),
              time.perf_counter() - t0)
-    if not multi:
-        return serve(sc, cfg, params, tok, name, sock=sock)
-    # Process 0 serves HTTP; the others replay its engine steps (hybridjax.multihost).
-    from hybridjax import multihost
+    return cfg, params, tok, name
 
-    host = args.coordinator.rsplit(":", 1)[0].strip("[]")
-    if args.process_id != 0:
-        log.info("process %d: following process 0's engine steps", args.process_id)
-        return multihost.follow(cfg, params, multihost.connect(host, cfg, params))
-    calls = multihost.lead(host, cfg, params)
-    # uvicorn re-raises SIGTERM once it has shut down; with the default action the process would
-    # die there, before `finally` tells the followers to stop.
-    signal.signal(signal.SIGTERM, _exit_on_signal)
-    try:
-        return serve(sc, cfg, params, tok, name, calls=calls, sock=sock)
-    finally:
-        calls.close()
+
+class _Background:
+    """fn(*args) on a daemon thread; `result()` waits and returns it or raises what it raised.
+    Daemon: an error in the caller (a port in use) exits at once, not after the load."""
+
+    def __init__(self, fn, *args):
+        import threading
+
+        self._out: list = []
+        self._thread = threading.Thread(target=self._run, args=(fn, args), name="hybridjax-load", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn, args) -> None:
+        try:
+            self._out.append((True, fn(*args)))
+        except BaseException as e:  # noqa: BLE001  (re-raised in the caller's thread)
+            self._out.append((False, e))
+
+    def result(self):
+        self._thread.join()
+        ok, value = self._out[0]
+        if not ok:
+            raise value
+        return value
 
 
 def _exit_on_signal(signum, frame):

@@ -50,6 +50,7 @@ from hybridjax.server import openai_format as fmt
 from hybridjax.grammar import GrammarError
 from hybridjax.server import responses, structured
 from hybridjax.server.chat_reuse import needs_prefill, next_turn_prefix
+from hybridjax.server.connections import bind
 from hybridjax.server.metrics import render_metrics
 from hybridjax.server.schemas import ChatCompletionRequest, CompletionRequest, Message, SamplingFields
 
@@ -680,23 +681,6 @@ def _finish(reason: str | None) -> str | None:
 
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-def bind(host: str, port: int):
-    """A socket bound to (host, port), for `serve`: bound before the model loads, so that a port
-    in use is an error at once (OSError), not after minutes of loading."""
-    import socket
-
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: restarts reuse the port at once
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    sock.set_inheritable(True)
-    return sock
 
 
 def _announce_when_serving(server, engine: Engine, name: str, host: str, port: int) -> None:

@@ -151,3 +151,18 @@ def uvicorn_options(sc) -> dict:
         log.warning("max connections lowered to %d: the open-file limit is %d", limit, files)
     return dict(host=sc.host, port=sc.port, http=guarded_protocol(sc.header_timeout_s, limit),
                 timeout_keep_alive=sc.keep_alive_s)
+
+
+def bind(host: str, port: int):
+    """A socket bound to (host, port), for `serve`: bound before the model loads, so that a port
+    in use is an error at once (OSError), not after minutes of loading."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: restarts reuse the port at once
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
