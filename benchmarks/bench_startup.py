@@ -1,10 +1,12 @@
 """Start-up as a user meets it: `hybridjax serve` in a subprocess, cold and warm, driven over HTTP.
 
     python benchmarks/bench_startup.py [--models default,qwen3.5] [--max-len N] [--code CHECKOUT --ready-only]
-                                       [--json OUT]
+                                       [--restart-early] [--json OUT]
 
 For each model, two launches on one fresh compile-cache directory: cold (empty: the covering
-programs compile before ready) and warm (a restart: executables load from `<cache>/executables`).
+programs compile before ready) and warm (a restart, once the cold launch has every program, as any
+server that ran for a few minutes has: executables load from `<cache>/executables`;
+`--restart-early`: as soon as the cold launch's requests are answered, the rest still compiling).
 Models: `default`, the embedded default model (8.9M parameters); `qwen3.5`, the random
 Qwen3.5-shaped model of bench_multiturn.py (0.23B parameters, float32, 12 layers, vocab 32000),
 built in a temporary directory. Each launch prints:
@@ -87,6 +89,20 @@ class Served:
         self.cpu = cpu_seconds(self.proc.pid)
         self.model = self.client.get(self.url + "/v1/models").json()["data"][0]["id"]
 
+    def all_programs(self, timeout: float = 900) -> float | None:
+        """Seconds from launch until /metrics says every program exists (compiled or loaded, the
+        rest of them behind); None for a server without those gauges (an older checkout)."""
+        deadline = time.perf_counter() + timeout
+        while time.perf_counter() < deadline:
+            gauges = dict(line.split(" ", 1) for line in self.client.get(self.url + "/metrics").text.splitlines()
+                          if line.startswith("hybridjax_programs"))
+            if not gauges:
+                return None
+            if gauges["hybridjax_programs_ready"] == gauges["hybridjax_programs"]:
+                return time.perf_counter() - self.t0
+            time.sleep(0.5)
+        raise RuntimeError(f"not every program exists {timeout:.0f} s after launch")
+
     def post(self, path: str, body: dict) -> dict:
         r = self.client.post(self.url + path, json={"model": self.model, "temperature": 0, **body})
         r.raise_for_status()
@@ -138,7 +154,7 @@ def kinds() -> dict:
 
 
 def run(model: str | None, cache: Path, max_len: int, name: str, logs: Path, code: Path, ready_only: bool,
-        chat: bool) -> dict:
+        chat: bool, restart_early: bool = False) -> dict:
     log = logs / f"{name}.log"
     s = Served(model, cache, max_len, log, code, chat)
     try:
@@ -156,6 +172,8 @@ def run(model: str | None, cache: Path, max_len: int, name: str, logs: Path, cod
                 times.append(spent)
                 answers.append(a)
             out["kinds"][kind] = {"first": times[0], "later": times[1], "answers": answers}
+        if name.endswith("-cold") and not restart_early:  # a restart then finds every program kept, as after
+            out["all programs"] = s.all_programs()      # any server that ran for a few minutes
         return out
     finally:
         s.stop()
@@ -199,6 +217,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-len", type=int, default=4096)
     ap.add_argument("--code", type=Path, default=ROOT, help="the checkout whose server runs (default: this one)")
     ap.add_argument("--ready-only", action="store_true", help="launch figures only, no request kinds")
+    ap.add_argument("--restart-early", action="store_true",
+                    help="restart as soon as the cold launch's requests are answered (the programs still compiling "
+                         "behind then compile in the warm launch too), not once every program exists")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     print(f"load average at start: {load()}", flush=True)
@@ -208,9 +229,11 @@ def main(argv=None) -> int:
             cache, logs = Path(tmp) / f"cache-{len(res)}", Path(tmp)
             r = res[model] = {}
             for launch in ("cold", "warm"):
-                r[launch] = run(path, cache, args.max_len, f"{model}-{launch}", logs, args.code, args.ready_only, chat)
+                r[launch] = run(path, cache, args.max_len, f"{model}-{launch}", logs, args.code, args.ready_only, chat,
+                                args.restart_early)
+                every = r[launch].get("all programs")
                 print(f"{model} {launch}: ready {r[launch]['ready']:.1f} s, first answer {r[launch]['first answer']:.1f} s"
-                      f" (load {r[launch]['load']})", flush=True)
+                      + (f", every program {every:.1f} s" if every else "") + f" (load {r[launch]['load']})", flush=True)
             for kind in r["cold"]["kinds"]:
                 a, b = r["cold"]["kinds"][kind]["answers"], r["warm"]["kinds"][kind]["answers"]
                 assert same(a, b), f"{model}, {kind}: the warm server answered otherwise: {a} vs {b}"
