@@ -137,16 +137,10 @@ def matvec_bandwidth(repeats: int, size: int) -> dict[str, float]:
 
 
 def bytes_per_token(params, cfg) -> int:
-    """Every weight once, but only one row of the embedding (a gather) unless it is the head; an
-    int8 weight with panels is read as its panels (its q serves prefill)."""
+    """Every weight once, but only one row of the embedding (a gather) unless it is the head."""
     import jax
 
-    from hybridjax import cpu_kernels
-
     total = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
-    is_int8 = lambda x: isinstance(x, cpu_kernels.Int8Weight)  # noqa: E731
-    total -= sum(w.q.nbytes for w in jax.tree_util.tree_leaves(params, is_leaf=is_int8)
-                 if is_int8(w) and w.panels is not None)
     if params.lm_head is not None:
         total -= params.embed.nbytes - params.embed.nbytes // cfg.vocab_size
     return total

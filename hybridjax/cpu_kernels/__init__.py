@@ -488,7 +488,7 @@ def _matmul_q8_jvp(n, isa, max_threads, tile_cols, k_slices, x_block, primals, t
     k, lead = x.shape[-1], (0,) * (p.ndim - 2)
     q = unpack_int8(p[lead], k, n)
     f32 = jnp.float32
-    w = dequantize_int8_blocks(q, unpack_block_scales(s[lead], n), x_block)
+    w = dequantize_int8_panels(p[lead], s[lead], k, n, x_block)
     dw = dequantize_int8_blocks(q, unpack_block_scales(ds[lead].astype(f32), n), x_block)
     dy = jnp.matmul(dx.astype(f32), w) + jnp.matmul(x.astype(f32), dw)
     return y, dy
@@ -580,25 +580,58 @@ class PackedWeight(_DecodeLayout):
 
 @jax.tree_util.register_pytree_node_class
 class Int8Weight(_DecodeLayout):
-    """A weight [K, N] kept as int8 `q` [K, N] with one float32 `scale` [N] per output column
-    (`quantize_int8`): it stands for `q * scale`. `hybridjax.ops.dense` takes it in place of w:
-    decode rows stream q through the kernel's int8 path (a quarter of float32's bytes), more rows
-    run XLA's float32 matmul on q widened, the scale applied to the product.
+    """A weight [K, N] in int8, in one of two layouts (`quantize_params`); `hybridjax.ops.dense`
+    takes it in place of w.
 
-    `panels`, `panel_scales` (optional, the "int8-dot" layout): the weight quantised again with a
-    scale per column per block of X_BLOCK k (`quantize_int8_blocks`, as Q8_0), packed
-    (`pack_int8`, `pack_block_scales`). Decode rows then go to `matmul_q8` instead, which rounds
-    the activations to int8 too and multiplies integers. It is a second int8 copy (2 + 1/16 bytes
-    per weight in all with float16 scales, a little over bfloat16's 2): prefill keeps reading q,
-    whose per-column scale XLA's matmul applies once, at the end."""
+    int8-wo (weight-only): `q` [K, N] int8 with one float32 `scale` [N] per output column
+    (`quantize_int8`), standing for `q * scale`. Decode rows stream q through the kernel's int8
+    path (a quarter of float32's bytes); more rows run XLA's float32 matmul on q widened, the
+    scale applied to the product.
+
+    int8-dot: only `panels`, `panel_scales`: the weight quantised with a scale per column per
+    block of X_BLOCK k (`quantize_int8_blocks`, as Q8_0), packed (`pack_int8`, float16
+    `pack_block_scales`), 1 + 1/16 bytes per weight; q and scale are None and the shape [K, N]
+    rides along as static data. Decode rows go to `matmul_q8`, which rounds the activations to
+    int8 too and multiplies integers; more rows (prefill) dequantise the panels to float32 inside
+    the step for XLA's matmul (`dequantize_int8_panels`), so both read the same weight."""
 
     fields = ("q", "scale", "panels", "panel_scales")
 
-    def __init__(self, q, scale, panels=None, panel_scales=None):
+    def __init__(self, q=None, scale=None, panels=None, panel_scales=None, shape=None):
         self.q, self.scale, self.panels, self.panel_scales = q, scale, panels, panel_scales
+        self._shape = None if shape is None else tuple(int(d) for d in shape)
+
+    @classmethod
+    def from_panels(cls, panels, panel_scales, shape):
+        """The int8-dot layout: block-quantised panels of a [K, N] = `shape` weight, nothing else."""
+        return cls(None, None, panels, panel_scales, shape)
+
+    @property
+    def is_dot(self) -> bool:
+        return self.panels is not None
+
+    @property
+    def shape(self):
+        return self._shape if self.q is None else self.q.shape
+
+    @property
+    def dtype(self):
+        return jnp.dtype(jnp.int8)
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    def tree_flatten(self):
+        # int8-dot's panels do not show K and N (both padded), so its shape is static aux data.
+        return (self.q, self.scale, self.panels, self.panel_scales), (self._shape if self.q is None else None)
+
+    @classmethod
+    def tree_unflatten(cls, shape, children):
+        return cls(*children, shape=shape)
 
     def __repr__(self):
-        return f"Int8Weight(shape={self.shape}{', int8-dot' if self.panels is not None else ''})"
+        return f"Int8Weight(shape={self.shape}{', int8-dot' if self.is_dot else ''})"
 
 
 def dequantize_int8(q, scale):
@@ -606,10 +639,18 @@ def dequantize_int8(q, scale):
     return q.astype(jnp.float32) * jnp.asarray(scale, jnp.float32)
 
 
+def dequantize_int8_panels(p, s, k: int, n: int, block: int = X_BLOCK):
+    """int8-dot's packed panels `p` and block scales `s` -> float32 [K, N]: the weight `matmul_q8`
+    multiplies by (XLA fuses the unpacking, the widening and the scales into one pass)."""
+    return dequantize_int8_blocks(unpack_int8(p, k, n), unpack_block_scales(s, n).astype(jnp.float32), block)
+
+
 def plain_weight(w):
     """w's plain [K, N] array, whether it is one, a `PackedWeight`, or an `Int8Weight`
-    (dequantised to float32)."""
+    (dequantised to float32: int8-dot's from its block-quantised panels)."""
     if isinstance(w, Int8Weight):
+        if w.is_dot:
+            return dequantize_int8_panels(w.panels, w.panel_scales, *w.shape)
         return dequantize_int8(w.q, w.scale)
     return w.w if isinstance(w, PackedWeight) else w
 
@@ -707,8 +748,9 @@ def quantize_params(params, mode: str = "int8"):
     def quantize(path, leaf):
         name = getattr(path[-1], "name", None) if path else None
         if name in INT8_WEIGHTS and not _is_weight_leaf(leaf) and getattr(leaf, "ndim", 0) == 2:
-            q, scale = _quantize_int8_jit(leaf)
-            return Int8Weight(q, scale, *(_int8_dot_panels(leaf) if dot else ()))
+            if dot:
+                return Int8Weight.from_panels(*_int8_dot_panels(leaf), leaf.shape)
+            return Int8Weight(*_quantize_int8_jit(leaf))
         return leaf
 
     return jax.tree_util.tree_map_with_path(quantize, params, is_leaf=_is_weight_leaf)
