@@ -25,10 +25,10 @@ vocab 32000, untied head, 228 M params; built once into --model-dir if absent). 
                           float32 weights: q int8 + a float32 scale per output column), the
                           kernel's int8 path; embeddings and norms float32
              int8-xla     the same weights, XLA's dots over q widened (opt in with --modes)
-             int8-dot-kernel  the same, plus the weights quantised again with a float16 scale per
-                          column per block of 32 k, packed in quads of K (quantize_params(..,
-                          "int8-dot")): x rounded to int8 per block of 32, integer dots
-                          (cpu_kernels.matmul_q8)
+             int8-dot-kernel  int8 with a float16 scale per column per block of 32 k instead,
+                          held only packed in quads of K (quantize_params(.., "int8-dot")): x
+                          rounded to int8 per block of 32, integer dots (cpu_kernels.matmul_q8);
+                          prefill dequantises the panels
              bf16-xla     bfloat16 weights, XLA's dots (very slow: opt in with --modes)
              *-kernel-1t  the kernel on one thread per call (what sharing columns buys)
            Modes alternate round by round, so load drift hits all alike; medians are shown.
@@ -86,7 +86,7 @@ MODES = {  # name -> (param dtype, use the kernel, kernel threads per call: 0 = 
     "int8-kernel": ("float32", True, 0),
     "int8-xla": ("float32", False, 0),
     "int8-kernel-1t": ("float32", True, 1),
-    # the same int8 weights also packed in quads of K, x rounded to int8 per block (int8-dot)
+    # int8 per column per block of 32 k, packed in quads of K, x rounded to int8 per block (int8-dot)
     "int8-dot-kernel": ("float32", True, 0),
     "int8-dot-kernel-1t": ("float32", True, 1),
 }

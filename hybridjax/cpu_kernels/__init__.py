@@ -9,7 +9,7 @@
     y = matmul_packed(x, p, n=N)        # = matmul(x, w.astype(bfloat16)), streamed from the panels
     q, d = quantize_int8_blocks(w)      # int8 with a scale per column per block of 32 k (Q8_0-like)
     y = matmul_q8(x, pack_int8(q), pack_block_scales(d), n=N)   # int8 x int8 dots, x rounded per block
-    params = quantize_params(params)    # projections as Int8Weight(q, scale[, panels, ...]): int8 decode
+    params = quantize_params(params)    # projections as Int8Weight: (q, scale) or int8-dot's (panels, panel_scales)
                                   # y [..., R, N] float32, accumulated in float32
 
 A decode step reads every weight once per token, so it is bound by memory bandwidth, and
@@ -702,17 +702,18 @@ def quantize_int8(w):
 # softmax over experts whose ranking a small error can flip; it is tiny) and not the embedding.
 INT8_WEIGHTS = DENSE_WEIGHTS - {"router"}
 # int8: this CPU's int8 decode (`int8_mode`); int8-wo: weight-only, x stays float (the kernel
-# widens q); int8-dot: also panels quantised per block of 32 k, x rounded to int8 per block for
-# integer dots.
+# widens q); int8-dot: the weight quantised per column per block of 32 k, held only as packed
+# panels, x rounded to int8 per block for integer dots.
 QUANTIZE_MODES = ("int8", "int8-wo", "int8-dot")
-# Paths on which "int8" means int8-dot. None yet, though on AVX2 it now has the accuracy and the
-# speed: with a weight scale per column per block of 32 (Q8_0's layout) int8-dot's mean KL against
-# float32 on the 228M model is 1.29e-3 (weight-only 1.22e-3, llama.cpp's Q8_0 1.33e-3; one scale
-# per column gave 1.94e-3), and it decoded 1.03-1.26x weight-only int8's tok/s in the same runs
-# (benchmarks/README.md, "Per-block weight scales"). What holds it back is memory: 2 + 1/16 bytes
-# per projection weight (the panels beside prefill's per-column q), more than bfloat16's 2, where a
-# user asking for int8 expects about 1. Once prefill reads the panels (and q is dropped), "avx2"
-# belongs here.
+# Paths on which "int8" means int8-dot. None yet. On AVX2 int8-dot has the accuracy (mean KL against
+# float32 on the 228M model 1.28-1.29e-3; weight-only 1.22e-3, llama.cpp's Q8_0 1.33e-3), the decode
+# speed (1.03-1.26x weight-only int8's tok/s; 0.99x in a run under load 6-8) and now the memory
+# (1 + 1/16 bytes per projection weight: the panels only). What holds it back is prefill, which
+# dequantises the panels in every call: a transposing gather, ~3.5x the time of widening weight-only's
+# q (~230 ms against ~65 ms for the 228M model's 162M projection weights, under load), so a
+# 512-token prefill ran at 0.82x weight-only's tok/s by medians (0.81-0.88x round by round; 0.89x
+# in a shorter run): at the 15% line or past it (benchmarks/README.md, "int8-dot prefill from the
+# panels"). A faster unpacking (C++, near widening's memory speed) would put "avx2" here.
 INT8_DOT_ISAS: tuple[str, ...] = ()
 
 
@@ -739,10 +740,10 @@ def _is_weight_leaf(x) -> bool:
 
 
 def quantize_params(params, mode: str = "int8"):
-    """params with every 2-d projection in INT8_WEIGHTS as an `Int8Weight` (int8, a scale per
-    output column, computed from the weight as loaded; `mode` as in QUANTIZE_MODES: with
-    int8-dot each also keeps block-quantised panels, `Int8Weight`). Embeddings, norms, gates' biases, the router
-    and MoE experts stay as they are. Single device (the kernel's)."""
+    """params with every 2-d projection in INT8_WEIGHTS as an `Int8Weight`, computed from the weight
+    as loaded; `mode` as in QUANTIZE_MODES: int8-wo keeps int8 with a scale per output column,
+    int8-dot only block-quantised packed panels (`Int8Weight`). Embeddings, norms, gates' biases,
+    the router and MoE experts stay as they are. Single device (the kernel's)."""
     dot = int8_mode(mode) == "int8-dot"
 
     def quantize(path, leaf):
