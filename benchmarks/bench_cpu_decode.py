@@ -3,7 +3,7 @@ with and without the CPU kernel (hybridjax.cpu_kernels), optionally beside llama
 
     python benchmarks/bench_cpu_decode.py [--quick] [--model-dir DIR] [--repeats 5]
         [--prompt 128] [--new-tokens 128] [--modes f32-xla,f32-kernel,bf16-kernel,bf16-packed]
-        [--step-rounds 20] [--agree-prompts 4]
+        [--step-rounds 20] [--agree-prompts 4] [--prefill-tokens 512]
         [--llama-bench PATH --gguf F32.gguf --gguf BF16.gguf] [--json OUT]
 
 One process, one model (the random Qwen3.5 of bench_generate.py: hidden 1024, 12 layers 3:1,
@@ -25,10 +25,10 @@ vocab 32000, untied head, 228 M params; built once into --model-dir if absent). 
                           float32 weights: q int8 + a float32 scale per output column), the
                           kernel's int8 path; embeddings and norms float32
              int8-xla     the same weights, XLA's dots over q widened (opt in with --modes)
-             int8-dot-kernel  the same, plus the weights quantised again with a float16 scale per
-                          column per block of 32 k, packed in quads of K (quantize_params(..,
-                          "int8-dot")): x rounded to int8 per block of 32, integer dots
-                          (cpu_kernels.matmul_q8)
+             int8-dot-kernel  int8 with a float16 scale per column per block of 32 k instead,
+                          held only packed in quads of K (quantize_params(.., "int8-dot")): x
+                          rounded to int8 per block of 32, integer dots (cpu_kernels.matmul_q8);
+                          prefill dequantises the panels
              bf16-xla     bfloat16 weights, XLA's dots (very slow: opt in with --modes)
              *-kernel-1t  the kernel on one thread per call (what sharing columns buys)
            Modes alternate round by round, so load drift hits all alike; medians are shown.
@@ -36,6 +36,9 @@ vocab 32000, untied head, 228 M params; built once into --model-dir if absent). 
            interleaved 4 steps at a time for R rounds, the bound's matvec timed in the same
            rounds; ms/step at the 10th percentile and the median, each against the bound taken
            at the same percentile.
+  prefill  with --prefill-tokens P: tok/s of the library's prefill (`hybridjax.generate.prefill`,
+           batch 1, P tokens into a fresh cache), modes alternated round by round, medians; and
+           the bytes each mode's params hold (all of them, and per projection weight).
   accuracy bfloat16 and int8 against float32 (all with the kernel; each with f32-kernel among the
            modes), over --agree-prompts prompts (default 4, random tokens, lengths P, P+1, ...),
            teacher-forced on float32's greedy tokens: max |logit diff| / max |logit|, the mean
@@ -83,7 +86,7 @@ MODES = {  # name -> (param dtype, use the kernel, kernel threads per call: 0 = 
     "int8-kernel": ("float32", True, 0),
     "int8-xla": ("float32", False, 0),
     "int8-kernel-1t": ("float32", True, 1),
-    # the same int8 weights also packed in quads of K, x rounded to int8 per block (int8-dot)
+    # int8 per column per block of 32 k, packed in quads of K, x rounded to int8 per block (int8-dot)
     "int8-dot-kernel": ("float32", True, 0),
     "int8-dot-kernel-1t": ("float32", True, 1),
 }
@@ -137,16 +140,10 @@ def matvec_bandwidth(repeats: int, size: int) -> dict[str, float]:
 
 
 def bytes_per_token(params, cfg) -> int:
-    """Every weight once, but only one row of the embedding (a gather) unless it is the head; an
-    int8 weight with panels is read as its panels (its q serves prefill)."""
+    """Every weight once, but only one row of the embedding (a gather) unless it is the head."""
     import jax
 
-    from hybridjax import cpu_kernels
-
     total = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
-    is_int8 = lambda x: isinstance(x, cpu_kernels.Int8Weight)  # noqa: E731
-    total -= sum(w.q.nbytes for w in jax.tree_util.tree_leaves(params, is_leaf=is_int8)
-                 if is_int8(w) and w.panels is not None)
     if params.lm_head is not None:
         total -= params.embed.nbytes - params.embed.nbytes // cfg.vocab_size
     return total
@@ -169,6 +166,7 @@ class Mode:
         self.gen_jit = jax.jit(functools.partial(hg._generate.__wrapped__), static_argnames=("cfg", "out_len"))
         self.step_jit = jax.jit(functools.partial(hg._decode.__wrapped__ if hasattr(hg._decode, "__wrapped__")
                                                   else hg._decode), static_argnames="cfg")
+        self.prefill_jit = jax.jit(hg._prefill, static_argnames="cfg")
 
     def patched(self):  # a context for tracing; bench_kernel_ab swaps the kernel's call in it
         import contextlib
@@ -190,6 +188,15 @@ class Mode:
         finally:
             self.hg._generate = saved
         return out
+
+    def prefill(self, tokens, cache):
+        """Logits after a prompt of `tokens` [1, P] run into `cache` in one prefill call."""
+        import jax
+        import jax.numpy as jnp
+
+        self._env()
+        counts = jnp.asarray([tokens.shape[1]], jnp.int32)
+        return jax.block_until_ready(self.prefill_jit(self.params, jnp.asarray(tokens), counts, cache, cfg=self.cfg))
 
     def forced_logits(self, prompt, tokens):
         """Logits after the prompt and after each of `tokens`, fed one by one: [len+1, vocab]."""
@@ -232,6 +239,47 @@ def run_decode(a, modes: dict, prompt) -> tuple[dict, list[dict]]:
     llama = [{**runs[0], "tok_s": statistics.median(r["tok_s"] for r in runs),
               "rounds": [r["tok_s"] for r in runs]} for runs in llama_runs.values()]
     return out, llama
+
+
+def prefill_times(modes: dict, tokens: int, rounds: int) -> dict:
+    """tok/s of one prefill of `tokens` random tokens per mode, modes alternated for `rounds`
+    rounds (a fresh cache each call, made outside the timing); the median and the range."""
+    from hybridjax.cache import init_cache
+
+    import bench_generate
+
+    prompt = np.asarray([bench_generate.prompt_tokens(tokens)], np.int32)
+    fresh = {name: (lambda m=m: init_cache(m.cfg, 1, tokens + 16, capacity=tokens + 16)) for name, m in modes.items()}
+    for name, m in modes.items():  # compile
+        m.prefill(prompt, fresh[name]())
+    times = {name: [] for name in modes}
+    for r in range(rounds):
+        for name, m in modes.items():
+            cache = fresh[name]()
+            t0 = time.perf_counter()
+            m.prefill(prompt, cache)
+            times[name].append(time.perf_counter() - t0)
+        print(f"  prefill round {r + 1}/{rounds} (load {loadavg()})", file=sys.stderr, flush=True)
+    return {name: {"tok_s": tokens / statistics.median(t), "tok_s_range": [tokens / max(t), tokens / min(t)],
+                   "raw": t} for name, t in times.items()}
+
+
+def bytes_held(params) -> dict:
+    """Bytes the params hold: all of them, and per weight of the 2-d projections `dense` reads
+    (cpu_kernels.DENSE_WEIGHTS: an Int8Weight's every array, against its K x N weights)."""
+    import jax
+
+    from hybridjax import cpu_kernels
+
+    is_weight = lambda x: isinstance(x, (cpu_kernels.Int8Weight, cpu_kernels.PackedWeight))  # noqa: E731
+    held, weights = 0, 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params, is_leaf=is_weight):
+        name = getattr(path[-1], "name", None)
+        if name in cpu_kernels.DENSE_WEIGHTS and len(leaf.shape) == 2:
+            held += sum(x.nbytes for x in jax.tree_util.tree_leaves(leaf))
+            weights += leaf.shape[0] * leaf.shape[1]
+    return {"total": sum(x.nbytes for x in jax.tree_util.tree_leaves(params)),
+            "projection_bytes_per_weight": held / max(weights, 1)}
 
 
 def step_times(modes: dict, prompt, rounds: int, steps: int, bound_size: int) -> dict:
@@ -384,6 +432,8 @@ def main(argv=None) -> int:
     ap.add_argument("--agree-prompts", type=int, default=4, help="prompts for the bf16 / int8 vs f32 agreement")
     ap.add_argument("--step-rounds", type=int, default=0,
                     help="also time single decode steps, modes interleaved, this many rounds of 4 steps each")
+    ap.add_argument("--prefill-tokens", type=int, default=0,
+                    help="also time a prefill of this many tokens per mode, modes alternated, --repeats rounds")
     ap.add_argument("--llama-bench", help="path of llama.cpp's llama-bench")
     ap.add_argument("--gguf", action="append", default=[], help="GGUF of the same weights (repeatable)")
     ap.add_argument("--threads", default="2", help="llama-bench threads; a comma list (2,1) runs each per round")
@@ -439,6 +489,7 @@ def main(argv=None) -> int:
     print(f"decode, {len(modes)} modes x {a.repeats} rounds ...", file=sys.stderr, flush=True)
     dec, llama = run_decode(a, modes, prompt)
     steps = step_times(modes, prompt, a.step_rounds, 4, 4096 if a.quick else 8192) if a.step_rounds else None
+    pre = prefill_times(modes, a.prefill_tokens, a.repeats) if a.prefill_tokens else None
     acc = {}
     prompts = [prompt] + [bench_generate.prompt_tokens(a.prompt + i).tolist() for i in range(1, a.agree_prompts)]
     for other in ("bf16-kernel", "int8-kernel", "int8-dot-kernel"):
@@ -479,6 +530,17 @@ def main(argv=None) -> int:
         print_round_ratios(dec, llama, a.new_tokens)
     if steps:
         print_step_table(steps, wbytes, f32_bytes)
+    if pre:
+        held = {name: bytes_held(m.params) for name, m in modes.items()}
+        base = next(iter(pre.values()))["tok_s"]
+        print(f"\nprefill of {a.prefill_tokens} tokens (batch 1, median of {a.repeats} rounds, modes alternated), "
+              f"and the bytes the params hold\n")
+        print(f"| mode | prefill tok/s | rounds | x {next(iter(pre))} | params MB | bytes per projection weight |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for name, d in pre.items():
+            lo, hi = d["tok_s_range"]
+            print(f"| {name} | {d['tok_s']:.1f} | {lo:.1f}-{hi:.1f} | {d['tok_s'] / base:.2f}x | "
+                  f"{held[name]['total'] / 1e6:.1f} | {held[name]['projection_bytes_per_weight']:.3f} |")
     for other, acc_ in acc.items():
         print(f"\n{other} vs f32-kernel logits (teacher-forced on float32's greedy tokens, {acc_['prompts']} "
               f"prompts, {acc_['steps']} steps): max |diff| {acc_['max_abs_err']:.3f} of max |logit| "
@@ -493,7 +555,7 @@ def main(argv=None) -> int:
               "re-run on an idle machine before quoting absolute figures.")
     if a.json:
         Path(a.json).write_text(json.dumps({"bandwidth": bw, "bytes": wbytes, "bound_tok_s": bound_tok_s,
-                                            "decode": dec, "accuracy": acc, "llama": llama, "steps": steps,
+                                            "decode": dec, "prefill": pre, "accuracy": acc, "llama": llama, "steps": steps,
                                             "load": [load0, load1]}, indent=1))
     tmp.cleanup()
     return 0

@@ -66,11 +66,12 @@ def load(path, dtype=None, mesh=None, progress=None, pack_for_decode=False, quan
     `quantize="int8-wo"`: the projections become weight-only int8 with a scale per output column
     (`cpu_kernels.quantize_params`, from the weights in `dtype`); embeddings, norms and the MoE
     router stay in `dtype`. Decode streams a quarter of float32's weight bytes; single device,
-    and not together with `pack_for_decode` (ValueError). `quantize="int8-dot"`: the same, plus
-    the weights quantised again with a scale per column per block of 32 k, packed, for decode's
-    int8 x int8 dots (`cpu_kernels.matmul_q8`: activations rounded to int8 per block of 32, as
-    llama.cpp's Q8_0), 2 + 1/16 bytes per weight in all; "int8" is int8-dot where
-    `cpu_kernels.INT8_DOT_ISAS` has this CPU's best path (none yet), else "int8-wo" (weight-only)."""
+    and not together with `pack_for_decode` (ValueError). `quantize="int8-dot"`: instead int8 with a
+    scale per column per block of 32 k, packed, for decode's int8 x int8 dots
+    (`cpu_kernels.matmul_q8`: activations rounded to int8 per block of 32, as llama.cpp's Q8_0),
+    1 + 1/16 bytes per weight; prefill dequantises the same panels. "int8" is int8-dot where
+    `cpu_kernels.INT8_DOT_ISAS` has this CPU's best path (none yet: prefill is slower), else
+    "int8-wo" (weight-only)."""
     _check_layout(mesh, pack_for_decode, quantize)
     from hybridjax.conversion import load as _load
 

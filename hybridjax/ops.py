@@ -31,8 +31,8 @@ def dense(x: Array, w: Array, dtype=None, transposed: bool = False) -> Array:
     w may be a `cpu_kernels.PackedWeight` (`cpu_kernels.pack_params`): decode rows then stream
     its packed bfloat16 panels, everything else reads its plain weight; or a
     `cpu_kernels.Int8Weight` (`cpu_kernels.quantize_params`): decode rows stream its int8 weight
-    (with packed panels: int8 x int8 dots, `cpu_kernels.matmul_q8`), more rows widen q to float32
-    for XLA's matmul.
+    (int8-dot's packed panels: int8 x int8 dots, `cpu_kernels.matmul_q8`), more rows widen it to
+    float32 for XLA's matmul.
 
     A few rows (decode) on CPU go to the streaming kernel of `hybridjax.cpu_kernels` when it is
     built: XLA:CPU's one-row dots leave memory bandwidth unused, and its bfloat16 ones run ~20x
@@ -66,23 +66,30 @@ def dense(x: Array, w: Array, dtype=None, transposed: bool = False) -> Array:
 
 
 def _int8_dense(rows: Array, w, transposed: bool) -> Array:
-    """rows @ (q * scale) -> float32 [R, n_out] for an `Int8Weight`: decode rows stream q through
+    """rows @ w -> float32 [R, n_out] for an `Int8Weight`. Weight-only: decode rows stream q through
     the kernel's int8 path; otherwise XLA's float32 matmul over q widened, then the per-column
-    scale (the kernel's order too: the scale multiplies the finished sum)."""
+    scale (the kernel's order too: the scale multiplies the finished sum). int8-dot: decode rows
+    go to `matmul_q8` (x rounded to int8 too, integer dots); otherwise the panels dequantised to
+    float32 inside the step and XLA's matmul: once per call, small beside a prefill's matmul."""
     if transposed:
         raise ValueError("dense: an Int8Weight is [n_in, n_out]; a transposed (tied) head is not quantised")
+    decode = (cpu_kernels.supports(rows.shape[0], rows.dtype, jnp.float32) and sharding.current_mesh() is None
+              and cpu_kernels.enabled())
+    if w.is_dot:
+        k, n = w.shape
+
+        def xla_dot(r, p, s):
+            return jnp.dot(r.astype(jnp.float32), cpu_kernels.dequantize_int8_panels(p, s, k, n))
+
+        if decode:
+            return jax.lax.platform_dependent(rows, w.panels, w.panel_scales,
+                                              cpu=lambda r, p, s: cpu_kernels.matmul_q8(r, p, s, n), default=xla_dot)
+        return xla_dot(rows, w.panels, w.panel_scales)
 
     def xla(r, q, scale):
         return jnp.dot(r.astype(jnp.float32), q.astype(jnp.float32)) * scale.astype(jnp.float32)
 
-    if (cpu_kernels.supports(rows.shape[0], rows.dtype, jnp.float32) and sharding.current_mesh() is None
-            and cpu_kernels.enabled()):
-        if w.panels is not None:  # int8-dot: x rounded to int8 too, integer dots (matmul_q8)
-            n = w.shape[1]
-            return jax.lax.platform_dependent(
-                rows, w.q, w.scale, w.panels, w.panel_scales,
-                cpu=lambda r, _q, _s, p, ps: cpu_kernels.matmul_q8(r, p, ps, n),
-                default=lambda r, q, s, _p, _ps: xla(r, q, s))
+    if decode:
         return jax.lax.platform_dependent(rows, w.q, w.scale, cpu=cpu_kernels.matmul, default=xla)
     return xla(rows, w.q, w.scale)
 

@@ -44,7 +44,7 @@ def rel_err(a, b) -> float:
 
 def test_quantize_params_quantises_the_projections_only(loaded):
     cfg, params = loaded["qwen3_next_moe"]  # untied head, MoE router and experts
-    q = cpu_kernels.quantize_params(params)
+    q = cpu_kernels.quantize_params(params, "int8-wo")  # int8-dot's layout: tests/test_int8_dot.py
     leaves = jax.tree_util.tree_leaves_with_path(q, is_leaf=lambda x: isinstance(x, cpu_kernels.Int8Weight))
     names = {jax.tree_util.keystr(kp).split(".")[-1] for kp, x in leaves if isinstance(x, cpu_kernels.Int8Weight)}
     assert names and names <= cpu_kernels.INT8_WEIGHTS and "lm_head" in names
@@ -153,8 +153,9 @@ def test_load_and_cli_quantize(hf_dirs, loaded, capsys):
 
     cfg, q = hybridjax.load_hf(hf_dirs["qwen3_5_dense"], dtype="float32", quantize="int8")
     assert isinstance(q.layers[0].ffn.up, cpu_kernels.Int8Weight)
-    ref = cpu_kernels.quantize_params(loaded["qwen3_5_dense"][1])
-    np.testing.assert_array_equal(np.asarray(q.layers[0].ffn.up.q), np.asarray(ref.layers[0].ffn.up.q))
+    ref = cpu_kernels.quantize_params(loaded["qwen3_5_dense"][1])  # "int8": this CPU's layout, either one
+    for got, want in zip(jax.tree_util.tree_leaves(q.layers[0].ffn.up), jax.tree_util.tree_leaves(ref.layers[0].ffn.up)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     for bad, match in (({"quantize": "int4"}, "quantize must be one of int8"),
                        ({"quantize": "int8", "pack_for_decode": True}, "two decode layouts")):
         with pytest.raises(ValueError, match=match):

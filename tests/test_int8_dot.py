@@ -23,6 +23,7 @@ Tolerances.
 from __future__ import annotations
 
 import collections
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -203,26 +204,92 @@ def test_matmul_q8_bf16_x_zeros_and_errors():
 
 
 def test_dense_int8_dot_weight():
-    """Decode rows: int8 x int8 on the block-quantised panels; prefill rows: XLA on the per-column
-    q (a different rounding of the same weight); gradients straight through the rounding of x."""
+    """Decode rows: int8 x int8 on the block-quantised panels; prefill rows: XLA's float32 matmul on
+    the same panels dequantised (within float32 summation error of x @ (q * d): K roundings of at
+    most 2^-24 of the running sum, bounded by |x| @ |w|); gradients straight through the rounding
+    of x. Only the panels and their scales are held: no per-column q."""
     rng = np.random.default_rng(1)
     w = rng.standard_normal((96, 200)).astype(np.float32)
     w[:, ::3] *= rng.uniform(0.01, 10, (96, 1)).astype(np.float32)
     x = rng.standard_normal((3, 96)).astype(np.float32)
     iw = cpu_kernels.quantize_params(collections.namedtuple("Ffn", "up")(w), "int8-dot").up
+    assert iw.q is None and iw.scale is None and iw.shape == (96, 200) and iw.dtype == jnp.int8
+    # 7 panels of 32 columns x 96 k in int8, and 3 blocks of float16 scales per column
+    assert [a.nbytes for a in jax.tree_util.tree_leaves(iw)] == [7 * 32 * 96, 7 * 32 * 3 * 2]
     qb, db = (np.asarray(a) for a in cpu_kernels.quantize_int8_blocks(w))
     np.testing.assert_array_equal(np.asarray(cpu_kernels.unpack_int8(iw.panels, 96, 200)), qb)
     np.testing.assert_array_equal(np.asarray(cpu_kernels.unpack_block_scales(iw.panel_scales, 200)), db)
+    wb = np.asarray(cpu_kernels.dequantize_int8_blocks(qb, db))
+    np.testing.assert_array_equal(np.asarray(cpu_kernels.plain_weight(iw)), wb)
     check(jax.jit(ops.dense)(x, iw), x, qb, db, cpu_kernels.X_BLOCK)
     text = jax.jit(ops.dense).lower(jnp.zeros((1, 96)), iw).as_text()
     assert cpu_kernels.TARGET_Q8 in text
-    q, scale = np.asarray(iw.q), np.asarray(iw.scale)
-    many = rng.standard_normal((cpu_kernels.MAX_ROWS + 5, 96)).astype(np.float32)  # prefill: XLA on q
-    np.testing.assert_allclose(np.asarray(jax.jit(ops.dense)(many, iw)), many @ (q * scale), rtol=1e-4, atol=1e-4)
+    many = rng.standard_normal((cpu_kernels.MAX_ROWS + 5, 96)).astype(np.float32)  # prefill: XLA
+    text = jax.jit(ops.dense).lower(jnp.zeros(many.shape), iw).as_text()
+    assert cpu_kernels.TARGET_Q8 not in text
+    got = np.asarray(jax.jit(ops.dense)(many, iw))
+    want = many.astype(np.float64) @ wb.astype(np.float64)
+    assert np.all(np.abs(got - want) <= 96 * U32 * (np.abs(many) @ np.abs(wb)))
     # differentiable straight through the activation rounding, to the block-quantised weight
-    wb = np.asarray(cpu_kernels.dequantize_int8_blocks(qb, db))
     g = jax.grad(lambda x: ops.dense(x, iw).sum())(jnp.asarray(x[:1]))
     np.testing.assert_allclose(np.asarray(g)[0], wb.sum(1), rtol=1e-4, atol=1e-4)
+    gm = jax.grad(lambda x: ops.dense(x, iw).sum())(jnp.asarray(many))
+    np.testing.assert_allclose(np.asarray(gm)[0], wb.sum(1), rtol=1e-4, atol=1e-4)
+
+
+def test_int8_dot_params_hold_the_panels_only(loaded):
+    """Every int8-dot projection holds its int8 panels (K and N padded to quads and panels) and a
+    float16 scale per column per block of 32 k: 1 + 1/16 bytes per weight, no per-column q."""
+    cfg, params = loaded["qwen3_next_moe"]
+    q = cpu_kernels.quantize_params(params, "int8-dot")
+    is_int8 = lambda x: isinstance(x, cpu_kernels.Int8Weight)  # noqa: E731
+    weights = [x for x in jax.tree_util.tree_leaves(q, is_leaf=is_int8) if is_int8(x)]
+    assert weights
+    for iw in weights:
+        k, n = iw.shape
+        cols, quads, blocks = -(-n // 32) * 32, -(-k // 4) * 4, -(-k // 32)
+        assert iw.q is None and iw.scale is None
+        assert sum(a.nbytes for a in jax.tree_util.tree_leaves(iw)) == cols * quads + cols * blocks * 2
+
+
+def test_int8_dot_prefill_logits_equal_the_dequantised_weights(loaded):
+    """Prefill (more rows than the kernel's decode path takes, every projection and the head) of
+    the int8-dot model against the float32 model whose projections are int8-dot's dequantised
+    block weights (`plain_weight`): the same float32 weights through XLA's matmuls, only its
+    summation order free to differ (as f32 with and without the kernel: tests/test_cpu_kernels.py),
+    so 1e-5 of the logit range. (Prefill from a per-column q instead differs by ~1e-3 of it.)"""
+    for arch in ("qwen3_5_dense", "qwen3_next_moe"):
+        cfg, params = loaded[arch]
+        q = cpu_kernels.quantize_params(params, "int8-dot")
+        is_int8 = lambda x: isinstance(x, cpu_kernels.Int8Weight)  # noqa: E731
+        ref_params = jax.tree_util.tree_map(lambda x: cpu_kernels.plain_weight(x) if is_int8(x) else x, q,
+                                            is_leaf=is_int8)
+        prompt = np.random.RandomState(5).randint(0, cfg.vocab_size, (1, cpu_kernels.MAX_ROWS + 4))
+        fwd = jax.jit(functools.partial(hybridjax.forward, cfg=cfg))
+        cache = hybridjax.init_cache(cfg, 1, 64, capacity=64)
+        got = np.asarray(fwd(q, jnp.asarray(prompt, jnp.int32), cache)[0][0])
+        want = np.asarray(fwd(ref_params, jnp.asarray(prompt, jnp.int32), cache)[0][0])
+        err = float(np.abs(got - want).max() / np.abs(want).max())
+        assert err < 1e-5, (arch, err)
+
+
+def test_int8_dot_generate_equals_its_prefill_then_decode_steps(loaded):
+    """generate's greedy tokens (prefill, then its decode loop) with int8-dot weights equal those of
+    the library's own prefill and one-token decode steps, argmax by hand: both read the panels
+    (XLA on them dequantised for the prompt, `matmul_q8` per token)."""
+    from hybridjax.generate import decode_step, generate, prefill
+
+    cfg, params = loaded["qwen3_5_dense"]
+    q = cpu_kernels.quantize_params(params, "int8-dot")
+    prompt = np.random.RandomState(6).randint(0, cfg.vocab_size, cpu_kernels.MAX_ROWS + 3).tolist()
+    got = generate(q, cfg, [prompt], max_new_tokens=6).token_lists()[0]
+    cache = hybridjax.init_cache(cfg, 1, 64, capacity=64)
+    logits, cache = prefill(q, np.asarray([prompt], np.int32), cache, cfg)
+    want = [int(np.argmax(logits[0]))]
+    for _ in range(5):
+        logits, cache = decode_step(q, np.asarray([want[-1]], np.int32), cache, cfg)
+        want.append(int(np.argmax(logits[0])))
+    assert got == want
 
 
 def test_quantize_modes():

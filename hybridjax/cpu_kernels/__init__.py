@@ -9,7 +9,7 @@
     y = matmul_packed(x, p, n=N)        # = matmul(x, w.astype(bfloat16)), streamed from the panels
     q, d = quantize_int8_blocks(w)      # int8 with a scale per column per block of 32 k (Q8_0-like)
     y = matmul_q8(x, pack_int8(q), pack_block_scales(d), n=N)   # int8 x int8 dots, x rounded per block
-    params = quantize_params(params)    # projections as Int8Weight(q, scale[, panels, ...]): int8 decode
+    params = quantize_params(params)    # projections as Int8Weight: (q, scale) or int8-dot's (panels, panel_scales)
                                   # y [..., R, N] float32, accumulated in float32
 
 A decode step reads every weight once per token, so it is bound by memory bandwidth, and
@@ -488,7 +488,7 @@ def _matmul_q8_jvp(n, isa, max_threads, tile_cols, k_slices, x_block, primals, t
     k, lead = x.shape[-1], (0,) * (p.ndim - 2)
     q = unpack_int8(p[lead], k, n)
     f32 = jnp.float32
-    w = dequantize_int8_blocks(q, unpack_block_scales(s[lead], n), x_block)
+    w = dequantize_int8_panels(p[lead], s[lead], k, n, x_block)
     dw = dequantize_int8_blocks(q, unpack_block_scales(ds[lead].astype(f32), n), x_block)
     dy = jnp.matmul(dx.astype(f32), w) + jnp.matmul(x.astype(f32), dw)
     return y, dy
@@ -580,25 +580,58 @@ class PackedWeight(_DecodeLayout):
 
 @jax.tree_util.register_pytree_node_class
 class Int8Weight(_DecodeLayout):
-    """A weight [K, N] kept as int8 `q` [K, N] with one float32 `scale` [N] per output column
-    (`quantize_int8`): it stands for `q * scale`. `hybridjax.ops.dense` takes it in place of w:
-    decode rows stream q through the kernel's int8 path (a quarter of float32's bytes), more rows
-    run XLA's float32 matmul on q widened, the scale applied to the product.
+    """A weight [K, N] in int8, in one of two layouts (`quantize_params`); `hybridjax.ops.dense`
+    takes it in place of w.
 
-    `panels`, `panel_scales` (optional, the "int8-dot" layout): the weight quantised again with a
-    scale per column per block of X_BLOCK k (`quantize_int8_blocks`, as Q8_0), packed
-    (`pack_int8`, `pack_block_scales`). Decode rows then go to `matmul_q8` instead, which rounds
-    the activations to int8 too and multiplies integers. It is a second int8 copy (2 + 1/16 bytes
-    per weight in all with float16 scales, a little over bfloat16's 2): prefill keeps reading q,
-    whose per-column scale XLA's matmul applies once, at the end."""
+    int8-wo (weight-only): `q` [K, N] int8 with one float32 `scale` [N] per output column
+    (`quantize_int8`), standing for `q * scale`. Decode rows stream q through the kernel's int8
+    path (a quarter of float32's bytes); more rows run XLA's float32 matmul on q widened, the
+    scale applied to the product.
+
+    int8-dot: only `panels`, `panel_scales`: the weight quantised with a scale per column per
+    block of X_BLOCK k (`quantize_int8_blocks`, as Q8_0), packed (`pack_int8`, float16
+    `pack_block_scales`), 1 + 1/16 bytes per weight; q and scale are None and the shape [K, N]
+    rides along as static data. Decode rows go to `matmul_q8`, which rounds the activations to
+    int8 too and multiplies integers; more rows (prefill) dequantise the panels to float32 inside
+    the step for XLA's matmul (`dequantize_int8_panels`), so both read the same weight."""
 
     fields = ("q", "scale", "panels", "panel_scales")
 
-    def __init__(self, q, scale, panels=None, panel_scales=None):
+    def __init__(self, q=None, scale=None, panels=None, panel_scales=None, shape=None):
         self.q, self.scale, self.panels, self.panel_scales = q, scale, panels, panel_scales
+        self._shape = None if shape is None else tuple(int(d) for d in shape)
+
+    @classmethod
+    def from_panels(cls, panels, panel_scales, shape):
+        """The int8-dot layout: block-quantised panels of a [K, N] = `shape` weight, nothing else."""
+        return cls(None, None, panels, panel_scales, shape)
+
+    @property
+    def is_dot(self) -> bool:
+        return self.panels is not None
+
+    @property
+    def shape(self):
+        return self._shape if self.q is None else self.q.shape
+
+    @property
+    def dtype(self):
+        return jnp.dtype(jnp.int8)
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    def tree_flatten(self):
+        # int8-dot's panels do not show K and N (both padded), so its shape is static aux data.
+        return (self.q, self.scale, self.panels, self.panel_scales), (self._shape if self.q is None else None)
+
+    @classmethod
+    def tree_unflatten(cls, shape, children):
+        return cls(*children, shape=shape)
 
     def __repr__(self):
-        return f"Int8Weight(shape={self.shape}{', int8-dot' if self.panels is not None else ''})"
+        return f"Int8Weight(shape={self.shape}{', int8-dot' if self.is_dot else ''})"
 
 
 def dequantize_int8(q, scale):
@@ -606,10 +639,18 @@ def dequantize_int8(q, scale):
     return q.astype(jnp.float32) * jnp.asarray(scale, jnp.float32)
 
 
+def dequantize_int8_panels(p, s, k: int, n: int, block: int = X_BLOCK):
+    """int8-dot's packed panels `p` and block scales `s` -> float32 [K, N]: the weight `matmul_q8`
+    multiplies by (XLA fuses the unpacking, the widening and the scales into one pass)."""
+    return dequantize_int8_blocks(unpack_int8(p, k, n), unpack_block_scales(s, n).astype(jnp.float32), block)
+
+
 def plain_weight(w):
     """w's plain [K, N] array, whether it is one, a `PackedWeight`, or an `Int8Weight`
-    (dequantised to float32)."""
+    (dequantised to float32: int8-dot's from its block-quantised panels)."""
     if isinstance(w, Int8Weight):
+        if w.is_dot:
+            return dequantize_int8_panels(w.panels, w.panel_scales, *w.shape)
         return dequantize_int8(w.q, w.scale)
     return w.w if isinstance(w, PackedWeight) else w
 
@@ -661,17 +702,18 @@ def quantize_int8(w):
 # softmax over experts whose ranking a small error can flip; it is tiny) and not the embedding.
 INT8_WEIGHTS = DENSE_WEIGHTS - {"router"}
 # int8: this CPU's int8 decode (`int8_mode`); int8-wo: weight-only, x stays float (the kernel
-# widens q); int8-dot: also panels quantised per block of 32 k, x rounded to int8 per block for
-# integer dots.
+# widens q); int8-dot: the weight quantised per column per block of 32 k, held only as packed
+# panels, x rounded to int8 per block for integer dots.
 QUANTIZE_MODES = ("int8", "int8-wo", "int8-dot")
-# Paths on which "int8" means int8-dot. None yet, though on AVX2 it now has the accuracy and the
-# speed: with a weight scale per column per block of 32 (Q8_0's layout) int8-dot's mean KL against
-# float32 on the 228M model is 1.29e-3 (weight-only 1.22e-3, llama.cpp's Q8_0 1.33e-3; one scale
-# per column gave 1.94e-3), and it decoded 1.03-1.26x weight-only int8's tok/s in the same runs
-# (benchmarks/README.md, "Per-block weight scales"). What holds it back is memory: 2 + 1/16 bytes
-# per projection weight (the panels beside prefill's per-column q), more than bfloat16's 2, where a
-# user asking for int8 expects about 1. Once prefill reads the panels (and q is dropped), "avx2"
-# belongs here.
+# Paths on which "int8" means int8-dot. None yet. On AVX2 int8-dot has the accuracy (mean KL against
+# float32 on the 228M model 1.28-1.29e-3; weight-only 1.22e-3, llama.cpp's Q8_0 1.33e-3), the decode
+# speed (1.03-1.26x weight-only int8's tok/s; 0.99x in a run under load 6-8) and now the memory
+# (1 + 1/16 bytes per projection weight: the panels only). What holds it back is prefill, which
+# dequantises the panels in every call: a transposing gather, ~3.5x the time of widening weight-only's
+# q (~230 ms against ~65 ms for the 228M model's 162M projection weights, under load), so a
+# 512-token prefill ran at 0.82x weight-only's tok/s by medians (0.81-0.88x round by round; 0.89x
+# in a shorter run): at the 15% line or past it (benchmarks/README.md, "int8-dot prefill from the
+# panels"). A faster unpacking (C++, near widening's memory speed) would put "avx2" here.
 INT8_DOT_ISAS: tuple[str, ...] = ()
 
 
@@ -698,17 +740,18 @@ def _is_weight_leaf(x) -> bool:
 
 
 def quantize_params(params, mode: str = "int8"):
-    """params with every 2-d projection in INT8_WEIGHTS as an `Int8Weight` (int8, a scale per
-    output column, computed from the weight as loaded; `mode` as in QUANTIZE_MODES: with
-    int8-dot each also keeps block-quantised panels, `Int8Weight`). Embeddings, norms, gates' biases, the router
-    and MoE experts stay as they are. Single device (the kernel's)."""
+    """params with every 2-d projection in INT8_WEIGHTS as an `Int8Weight`, computed from the weight
+    as loaded; `mode` as in QUANTIZE_MODES: int8-wo keeps int8 with a scale per output column,
+    int8-dot only block-quantised packed panels (`Int8Weight`). Embeddings, norms, gates' biases,
+    the router and MoE experts stay as they are. Single device (the kernel's)."""
     dot = int8_mode(mode) == "int8-dot"
 
     def quantize(path, leaf):
         name = getattr(path[-1], "name", None) if path else None
         if name in INT8_WEIGHTS and not _is_weight_leaf(leaf) and getattr(leaf, "ndim", 0) == 2:
-            q, scale = _quantize_int8_jit(leaf)
-            return Int8Weight(q, scale, *(_int8_dot_panels(leaf) if dot else ()))
+            if dot:
+                return Int8Weight.from_panels(*_int8_dot_panels(leaf), leaf.shape)
+            return Int8Weight(*_quantize_int8_jit(leaf))
         return leaf
 
     return jax.tree_util.tree_map_with_path(quantize, params, is_leaf=_is_weight_leaf)
