@@ -651,6 +651,14 @@ class Engine:
         self.sched.enqueue(handle)
         return handle
 
+    def prefetch(self, prompt_ids: Sequence[int], namespace: str = "") -> bool:
+        """Before submitting: read, on the calling thread, a disk-tier hit of this prompt
+        (`SnapshotStore.prefetch`), so the engine thread does not read files. True if one was read."""
+        store = self.store
+        if store is None or store.disk is None or not prompt_ids:
+            return False
+        return store.prefetch(prompt_ids, namespace)
+
     def prefill_in_background(self, prompt_ids: Sequence[int], namespace: str = "",
                               delay_s: float = 0.0) -> RequestHandle | None:
         """Have a snapshot of `prompt_ids` ready for a later request (e.g. the next chat turn as

@@ -63,6 +63,7 @@ log = logging.getLogger(__name__)
 
 KINDS = ("prompt", "response", "history", "checkpoint")
 SUPERSEDABLE = ("prompt", "response")
+PREFETCHED = 2  # disk reads kept for the lookups they were made for (`SnapshotStore.prefetch`): ~30 MB each at 30k tokens
 FILE_SUFFIX = ".snapshot"
 PAGES_SUFFIX = ".pages"
 TMP_SUFFIX = ".tmp"
@@ -143,6 +144,8 @@ class SnapshotStore:
         self.counters: Counter = Counter()
         # The disk tier (hybridjax.snapshot_disk.DiskTier), attached by `attach_disk`; its budget.
         self.disk = None
+        # Disk reads done ahead on a request's thread (`prefetch`), newest last, until a lookup takes one.
+        self._fetched: dict[tuple[str, tuple[int, ...]], tuple] = {}
         self.disk_bytes = disk_bytes
 
     def set_disk(self, disk):
@@ -257,7 +260,7 @@ class SnapshotStore:
         for request, ns in zip(requests, namespace):
             mine = [s for (n, _), s in self._entries.items() if n == ns]
             mem = max((s.length for s, k in zip(mine, shared_lengths(request, mine)) if k == s.length), default=0)
-            got = self.disk.fetch(request.as_tuple(), ns, mem)
+            got = self._take_fetched(request, ns, mem) or self.disk.fetch(request.as_tuple(), ns, mem)
             if got is None:
                 continue
             entry, cache, logits, ks, vs = got
@@ -277,6 +280,37 @@ class SnapshotStore:
             self.counters["disk_hits"] += 1
             out.add(id(snap))
         return out
+
+    def prefetch(self, tokens: Sequence[int] | Tokens, namespace: str = "") -> bool:
+        """Read now, on the caller's thread (a request's, before it is submitted), the disk snapshot
+        a lookup of `tokens` would bring back, so that the engine thread's lookup (`_promote`) only
+        writes its pages instead of reading and checking files (hundreds of pages at 30k tokens).
+        Kept until a lookup takes it (the newest PREFETCHED only). True if one was read."""
+        disk = self.disk
+        if disk is None:
+            return False
+        request = Tokens.of(tokens)
+        with self._lock:
+            mine = [s for (n, _), s in self._entries.items() if n == namespace]
+            mem = max((s.length for s, k in zip(mine, shared_lengths(request, mine)) if k == s.length), default=0)
+        got = disk.fetch(request.as_tuple(), namespace, mem)  # outside the lock: the engine's lookups go on
+        if got is None:
+            return False
+        with self._lock:
+            self._fetched[(namespace, got[0].tokens)] = got
+            while len(self._fetched) > PREFETCHED:
+                del self._fetched[next(iter(self._fetched))]
+        return True
+
+    def _take_fetched(self, request: Tokens, ns: str, longer_than: int):
+        """The longest prefetched disk read (`prefetch`) of `ns` that starts `request` and beats
+        memory's `longer_than` tokens, taken out; None if none. A read is a checked copy of a disk
+        snapshot, valid whatever happened on disk since."""
+        fits = [key for key in self._fetched if key[0] == ns and longer_than < len(key[1]) <= request.length
+                and np.array_equal(request.array[: len(key[1])], np.asarray(key[1], np.int64))]
+        if not fits:
+            return None
+        return self._fetched.pop(max(fits, key=lambda key: len(key[1])))
 
     def _explain(self, request: Tokens, ns: str, best: Snapshot | None, shared: int, by_ns: dict) -> CacheReport:
         """The cache report of one lookup (hybridjax.prefix_report): where its prefix came from,
@@ -376,6 +410,7 @@ class SnapshotStore:
 
     def clear(self) -> None:
         with self._lock:
+            self._fetched.clear()
             for key in list(self._entries):
                 self._remove(key, "cleared")
 
