@@ -671,6 +671,7 @@ class Engine:
             return None
         handle = RequestHandle(GenerationRequest(list(prompt_ids), max_tokens=0, namespace=namespace))
         handle.request.prompt_array  # made on the caller's thread, not the engine's (as in `submit`)
+        handle.row_args = request_row_args(self.cfg, handle.request)
         handle.not_before = time.perf_counter() + delay_s
         self.sched.wish(handle)
         return handle
