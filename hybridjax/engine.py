@@ -129,10 +129,13 @@ def request_row_args(cfg: Config, req: GenerationRequest, length: int = 0) -> tu
 
 
 
-def setup_row(calls, cfg: Config, state, row: int, gdn, logits, length: int, req: GenerationRequest):
+def setup_row(calls, cfg: Config, state, row: int, gdn, logits, length: int, req: GenerationRequest,
+              row_args: tuple | None = None):
     """`engine_steps.setup_row` for a request whose row starts at `length` cached tokens (from the
-    snapshot's recurrent state `gdn` and `logits`, or None: a fresh row)."""
-    return calls.setup_row(state, np.int32(row), gdn, logits, *request_row_args(cfg, req, length))
+    snapshot's recurrent state `gdn` and `logits`, or None: a fresh row). `row_args`: the
+    request's `request_row_args` made ahead (any length: it is replaced), else made here."""
+    args = request_row_args(cfg, req, length) if row_args is None else (np.int32(length),) + tuple(row_args[1:])
+    return calls.setup_row(state, np.int32(row), gdn, logits, *args)
 
 
 class DeviceLoop:
@@ -274,7 +277,7 @@ class DeviceLoop:
             self.state = self.calls.copy_page(self.state, *res.copy)
         snap = res.snapshot
         self.state = setup_row(self.calls, self.cfg, self.state, row, snap.cache if snap else None,
-                               snap.logits if snap else None, res.start, req)
+                               snap.logits if snap else None, res.start, req, handle.row_args)
         constraint = None
         if req.grammar is not None:
             constraint = self.grammars.matcher(req.grammar)
@@ -643,9 +646,19 @@ class Engine:
         if pages_for(n + request.max_tokens, self.pool.page_size) > self.pool.num_pages:
             raise ValueError(f"prompt + max_tokens ({n + request.max_tokens} tokens) exceeds the KV pool "
                              f"({self.pool.num_pages} pages of {self.pool.page_size} tokens)")
+        request.prompt_array  # made here, on the caller's thread: ~1 ms at 30k tokens the engine thread spares
         handle = RequestHandle(request, loop)
+        handle.row_args = request_row_args(self.cfg, request)  # the same for its admission (~0.7 ms there)
         self.sched.enqueue(handle)
         return handle
+
+    def prefetch(self, prompt_ids: Sequence[int], namespace: str = "") -> bool:
+        """Before submitting: read, on the calling thread, a disk-tier hit of this prompt
+        (`SnapshotStore.prefetch`), so the engine thread does not read files. True if one was read."""
+        store = self.store
+        if store is None or store.disk is None or not prompt_ids:
+            return False
+        return store.prefetch(prompt_ids, namespace)
 
     def prefill_in_background(self, prompt_ids: Sequence[int], namespace: str = "",
                               delay_s: float = 0.0) -> RequestHandle | None:
@@ -658,6 +671,8 @@ class Engine:
         if self.store is None or not prompt_ids or len(prompt_ids) > self.max_len:
             return None
         handle = RequestHandle(GenerationRequest(list(prompt_ids), max_tokens=0, namespace=namespace))
+        handle.request.prompt_array  # made on the caller's thread, not the engine's (as in `submit`)
+        handle.row_args = request_row_args(self.cfg, handle.request)
         handle.not_before = time.perf_counter() + delay_s
         self.sched.wish(handle)
         return handle

@@ -116,6 +116,7 @@ class RequestHandle:
         self.cancelled = threading.Event()
         self.admitted = threading.Event()
         self.not_before = 0.0  # idle-time work: not started before this perf_counter time
+        self.row_args: tuple | None = None  # engine.request_row_args, made by the submitting thread
         self._loop = loop
         self._queue: queue.Queue | asyncio.Queue = asyncio.Queue() if loop else queue.Queue()
 

@@ -80,23 +80,44 @@ class PagePool:
             return ids
 
     def retain(self, ids) -> None:
+        """One more hold on each of `ids` (all held already). Vectorised: a snapshot at 30k tokens
+        names ~470 pages, and a per-page Python loop cost ~0.2 ms per snapshot and admission."""
+        ids = _id_array(ids)
         with self._lock:
-            for i in ids:
-                if self._refs[i] <= 0:
-                    raise ValueError(f"page {i} is free; only a held page can be retained")
-                self._refs[i] += 1
+            bad = ids[self._refs[ids] <= 0]
+            if len(bad):
+                raise ValueError(f"page {bad[0]} is free; only a held page can be retained")
+            np.add.at(self._refs, ids, 1)
 
     def release(self, ids) -> None:
+        """One hold fewer on each of `ids`; a page nobody holds any more goes back to the free list
+        (in the order the per-page loop freed them: a page at its last occurrence in `ids`).
+        Checked before anything changes."""
+        ids = _id_array(ids)
         with self._lock:
-            for i in ids:
-                if self._refs[i] <= 0:
-                    raise ValueError(f"page {i} released more often than held")
-                self._refs[i] -= 1
-                if self._refs[i] == 0:
-                    self._free.append(i)
+            pages, counts = np.unique(ids, return_counts=True)
+            bad = pages[self._refs[pages] < counts]
+            if len(bad):
+                raise ValueError(f"page {bad[0]} released more often than held")
+            np.subtract.at(self._refs, ids, 1)
+            self._free.extend(freed_order(ids, self._refs).tolist())
 
     def reset(self) -> None:
         """Every page free again (after a failure that lost the device pool)."""
         with self._lock:
             self._refs[:] = 0
             self._free = list(range(self.num_pages - 1, -1, -1))
+
+
+def _id_array(ids) -> np.ndarray:
+    """Page ids as a 1-d int64 array (a list, tuple or array of ints; empty allowed)."""
+    return np.asarray(ids, np.int64).reshape(-1)
+
+
+def freed_order(ids: np.ndarray, refs: np.ndarray) -> np.ndarray:
+    """The ids of `ids` whose count `refs` is now 0, each once, ordered by its last occurrence in
+    `ids` (where a one-page-at-a-time release would have freed it)."""
+    last = len(ids) - 1 - np.unique(ids[::-1], return_index=True)[1]  # last occurrence of each id
+    last = np.sort(last)
+    out = ids[last]
+    return out[refs[out] == 0]

@@ -296,6 +296,26 @@ def test_queue_bound_and_context_errors(model):
     assert eng.queue_depth == 3
 
 
+
+def test_submit_prepares_the_row_and_admission_uses_it(engine, monkeypatch):
+    """The prompt's array and the row's arguments are made by the submitting thread; admission
+    (the engine thread) only swaps in the cached length, and the tokens stay the cold path's."""
+    import hybridjax.engine as engine_mod
+
+    made = []
+    real = engine_mod.request_row_args
+    monkeypatch.setattr(engine_mod, "request_row_args", lambda cfg, req, length=0: made.append(req) or
+                        real(cfg, req, length))
+    p1 = ids("Row args ahead: hi")
+    req = GenerationRequest(p1 + collect(engine.submit(GenerationRequest(p1, max_tokens=4))).token_ids + enc("ok?"),
+                            max_tokens=4)
+    handle = engine.submit(req)
+    assert "prompt_array" in vars(req) and handle.row_args is not None and made[-1] is req
+    collect(handle)
+    assert made.count(req) == 1  # admission made none
+    assert handle.cached_tokens > 0 and handle.token_ids == cold(req.prompt_ids, 4)
+
+
 def test_requests_admitted_together_share_their_common_prefix(model):
     """Four requests with one shared prefix arrive at once: the first snapshots the shared
     part, the other three resume from it (and still equal the cold path)."""

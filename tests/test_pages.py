@@ -102,6 +102,45 @@ def test_page_pool_counts_holders():
         PagePool(4, 12)
 
 
+
+def test_page_pool_matches_a_page_at_a_time_reference():
+    """retain / release are vectorised: counts, the free list and its order (which pages the next
+    alloc gets) stay those of the one-page-at-a-time loop, duplicates in one call included."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(100):
+        pool, refs, free = PagePool(24, 16), [0] * 24, list(range(23, -1, -1))
+        for _ in range(30):
+            held = [i for i in range(24) if refs[i] > 0]
+            op = rng.random()
+            if op < 0.3 and len(free) >= 3:
+                want = [free.pop() for _ in range(3)]
+                for i in want:
+                    refs[i] = 1
+                assert pool.alloc(3) == want
+            elif op < 0.6 and held:
+                got = [rng.choice(held) for _ in range(rng.randint(0, 6))]
+                pool.retain(got)
+                for i in got:
+                    refs[i] += 1
+            elif held:
+                holds = [i for i in held for _ in range(refs[i])]
+                rng.shuffle(holds)
+                got = holds[: rng.randint(0, len(holds))]
+                pool.release(got)
+                for i in got:
+                    refs[i] -= 1
+                    if refs[i] == 0:
+                        free.append(i)
+            assert pool._free == free and pool._refs.tolist() == refs
+    pool = PagePool(4, 16)
+    a = pool.alloc(2)
+    with pytest.raises(ValueError, match="released more often"):  # a page twice in one call, held once
+        pool.release([a[0], a[1], a[1]])
+    assert [pool.refcount(p) for p in a] == [1, 1]  # checked before anything changed
+
+
 # --- engines ------------------------------------------------------------------------------
 
 

@@ -156,6 +156,35 @@ def test_shared_buffers_are_counted_once(cfg):
     assert s.nbytes == 0 and len(s) == 0 and s.stats()["evictions_cleared"] == 3
 
 
+
+def test_page_bytes_count_once_while_any_snapshot_names_the_page(cfg):
+    """The store counts a page's bytes once while any snapshot names it, and holds it in the
+    pool as often as snapshots name it (random inserts and removals against a recount)."""
+    import random
+
+    from hybridjax.pages import PagePool
+
+    rng = random.Random(1)
+    pool = PagePool(64, 16)
+    s = SnapshotStore("m", max_entries=1000, max_bytes=1 << 40)
+    s.use_pages(pool, 1000)
+    mine = pool.alloc(64)  # the test's own hold on every page
+    cache, lg = make_cache(cfg), logits()
+    for step in range(200):
+        if rng.random() < 0.6 or not len(s):
+            pages = [rng.randrange(64) for _ in range(rng.randint(1, 12))]
+            s.insert([step, rng.randrange(5)], cache, lg, kind="checkpoint", pages=pages)
+        else:
+            snap = rng.choice(s.snapshots())
+            s._remove((snap.namespace, snap.key), "entries")
+        named = [p for x in s.snapshots() for p in x.pages]
+        assert s.pages_held == len(set(named))
+        assert s.nbytes == (nbytes(cache) + lg.nbytes if len(s) else 0) + 1000 * len(set(named))
+        assert [pool.refcount(p) for p in mine] == [1 + named.count(p) for p in mine]
+    s.clear()
+    assert s.nbytes == 0 and s.pages_held == 0 and all(pool.refcount(p) == 1 for p in mine)
+
+
 def test_byte_budget_evicts_least_recently_used(cfg):
     one = nbytes(make_cache(cfg)) + VOCAB * 4
     clock = FakeClock()
@@ -448,7 +477,7 @@ def test_random_operations_keep_lru_order_longest_prefix_and_byte_count():
         kept = {x.tokens for x in s.snapshots()}
         order = [t for t in order if t in kept]  # evictions take the least recently used
         assert [x.tokens for x in s.snapshots()] == order
-        assert s.nbytes == sum(b for _, b, _ in s._buffers.values())
+        assert s.nbytes == sum(b for _, b, _ in s._buffers.values()) + s.pages_held * s._page_bytes
 
 
 # --- keys that share one token array ----------------------------------------------------

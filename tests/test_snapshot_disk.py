@@ -24,7 +24,7 @@ import httpx
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from engine_helpers import ENGINE_KW, cold, ids, run, serve_cold_checked
+from engine_helpers import ENGINE_KW, cold, enc, ids, run, serve_cold_checked
 from test_server import RunningServer, free_port
 
 from hybridjax.default_model import DEFAULT_NAME, TINY_NAME, default_model, tiny_test_model
@@ -83,6 +83,30 @@ def test_every_snapshot_written_before_a_crash_is_restored_and_answers_cold(tmp_
     b = _restart(tmp_path)
     assert len(b.store.disk.index.entries) == written
     assert _every_disk_snapshot_answers_cold(b) == written
+
+
+
+def test_a_disk_hit_read_ahead_is_what_the_engine_thread_uses(tmp_path):
+    """`Engine.prefetch` (a request's thread) reads the disk snapshot; the engine thread's lookup
+    takes it and reads no file, and the answer is still the cold path's."""
+    _serve_then_crash(tmp_path, PROMPTS[:1])
+    b = _restart(tmp_path)
+    prompt = PROMPTS[0] + enc(" and more?")
+    assert b.prefetch(prompt) and len(b.store._fetched) == 1
+
+    def no_read(*a, **k):
+        raise AssertionError("the engine thread read the disk")
+
+    b.store.disk.fetch = no_read
+    b.start()
+    try:
+        h = run(b, prompt, 3)
+    finally:
+        b.stop()
+        del b.store.disk.fetch
+        detach_disk(b)
+    assert h.cache_report.source == "disk" and h.cached_tokens == len(PROMPTS[0])
+    assert not b.store._fetched and h.token_ids == cold(prompt, 3)
 
 
 def test_a_torn_manifest_tail_is_ignored_and_the_records_before_it_restore(tmp_path, caplog):

@@ -477,6 +477,7 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
                 text += fmt.close_thinking(text) + opening
             check_length(len(text), "messages")
             ids = tok.encode(text, scope=ns)
+            engine.prefetch(ids, ns)  # a disk-tier hit is read here, not on the engine thread
             return ids, history_boundary(tok.scoped(ns), messages, ids, **kwargs)
 
         grammar = await request_grammar(req, tools, req.tool_choice)
@@ -568,6 +569,8 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
         else:
             check_length(len(req.prompt), "prompt")
             prompt_ids = await asyncio.to_thread(tok.encode, req.prompt, scope=namespace + ":" + (req.cache_salt or ""))
+        if store is not None and store.disk is not None:  # a disk-tier hit is read here, not on the engine thread
+            await asyncio.to_thread(engine.prefetch, prompt_ids, namespace + ":" + (req.cache_salt or ""))
         grammar = await request_grammar(req)
         greqs = engine_requests(req, prompt_ids, req.max_tokens, namespace, logprobs=req.logprobs, grammar=grammar)
         echo = ((req.prompt if isinstance(req.prompt, str) else await asyncio.to_thread(tok.decode, prompt_ids))
