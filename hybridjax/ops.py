@@ -81,11 +81,9 @@ def _int8_dense(rows: Array, w, transposed: bool) -> Array:
         def xla_dot(r, p, s):
             return jnp.dot(r.astype(jnp.float32), cpu_kernels.dequantize_int8_panels(p, s, k, n))
 
-        prefill = (cpu_kernels.supports(cpu_kernels.MAX_ROWS, rows.dtype, jnp.float32)
-                   and sharding.current_mesh() is None and cpu_kernels.enabled())
-        if decode or prefill:
+        if decode:
             return jax.lax.platform_dependent(rows, w.panels, w.panel_scales,
-                                              cpu=lambda r, p, s: _q8_by_row_blocks(r, p, s, n), default=xla_dot)
+                                              cpu=lambda r, p, s: cpu_kernels.matmul_q8(r, p, s, n), default=xla_dot)
         return xla_dot(rows, w.panels, w.panel_scales)
 
     def xla(r, q, scale):
@@ -94,21 +92,6 @@ def _int8_dense(rows: Array, w, transposed: bool) -> Array:
     if decode:
         return jax.lax.platform_dependent(rows, w.q, w.scale, cpu=cpu_kernels.matmul, default=xla)
     return xla(rows, w.q, w.scale)
-
-
-def _q8_by_row_blocks(rows: Array, p: Array, s: Array, n: int) -> Array:
-    """rows [R, K] @ an int8-dot weight through `matmul_q8`, MAX_ROWS rows per block (decode's
-    path, for prefill too): each row's x is rounded to int8 per block of k by itself (as Q8_0 does
-    in prefill), so a row's result depends on no other row, and a token scores the same in a
-    prefill as in a decode step. Each block streams the weight again, from cache for a layer's
-    weights: on the 228M model's shapes as fast as XLA's float32 matmul and ~1.2x dequantising
-    the panels for it (benchmarks/README.md, "int8-dot prefill")."""
-    r = rows.shape[0]
-    if r <= cpu_kernels.MAX_ROWS:
-        return cpu_kernels.matmul_q8(rows, p, s, n)
-    blocks = -(-r // cpu_kernels.MAX_ROWS)
-    x = jnp.pad(rows, ((0, blocks * cpu_kernels.MAX_ROWS - r), (0, 0))).reshape(blocks, cpu_kernels.MAX_ROWS, -1)
-    return cpu_kernels.matmul_q8(x, p, s, n).reshape(blocks * cpu_kernels.MAX_ROWS, n)[:r]
 
 
 def _widened_dot(rows: Array, w: Array, transposed: bool = False) -> Array:
