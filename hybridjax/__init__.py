@@ -70,7 +70,7 @@ def load(path, dtype=None, mesh=None, progress=None, pack_for_decode=False, quan
     scale per column per block of 32 k, packed, for decode's int8 x int8 dots
     (`cpu_kernels.matmul_q8`: activations rounded to int8 per block of 32, as llama.cpp's Q8_0),
     1 + 1/16 bytes per weight; prefill dequantises the same panels. "int8" is int8-dot where
-    `cpu_kernels.INT8_DOT_ISAS` has this CPU's best path (none yet: prefill is slower), else
+    `cpu_kernels.INT8_DOT_ISAS` has this CPU's best path (AVX2), else
     "int8-wo" (weight-only)."""
     _check_layout(mesh, pack_for_decode, quantize)
     from hybridjax.conversion import load as _load

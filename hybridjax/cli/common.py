@@ -94,11 +94,13 @@ PACK_HELP = ("with --dtype bfloat16 on one CPU device with AVX2 or AVX512_BF16: 
 
 QUANTIZE_MODES = ("int8", "int8-wo", "int8-dot")  # cpu_kernels.QUANTIZE_MODES (no import of the kernels here)
 QUANTIZE_HELP = ("int8: int8 projections (decode on CPU reads about a quarter of float32's weight bytes; "
-                 "embeddings, norms and the MoE router stay in --dtype); one device only; int8 is int8-wo. "
+                 "embeddings, norms and the MoE router stay in --dtype); one device only; int8 is int8-dot on "
+                 "AVX2 CPUs, else int8-wo. "
                  "int8-wo: weight-only int8, one scale per output column. int8-dot: a scale per column per "
                  "block of 32 (as llama.cpp's Q8_0), and decode rounds the activations to int8 per block of "
                  "32 and multiplies integers (faster decode on AVX2, about as accurate, 1 + 1/16 bytes per "
-                 "weight; prefill dequantises the weights each call: about 0.8-0.9x weight-only's)")
+                 "weight; prefill dequantises the weights each call: about weight-only's speed from 256 tokens, "
+                 "0.8x at 64)")
 
 
 def use_compile_cache(directory: str | None, enabled: bool = True) -> None:

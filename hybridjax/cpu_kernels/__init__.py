@@ -705,16 +705,15 @@ INT8_WEIGHTS = DENSE_WEIGHTS - {"router"}
 # widens q); int8-dot: the weight quantised per column per block of 32 k, held only as packed
 # panels, x rounded to int8 per block for integer dots.
 QUANTIZE_MODES = ("int8", "int8-wo", "int8-dot")
-# Paths on which "int8" means int8-dot. None yet. On AVX2 int8-dot has the accuracy (mean KL against
-# float32 on the 228M model 1.28-1.29e-3; weight-only 1.22e-3, llama.cpp's Q8_0 1.33e-3), the decode
-# speed (1.03-1.26x weight-only int8's tok/s; 0.99x in a run under load 6-8) and now the memory
-# (1 + 1/16 bytes per projection weight: the panels only). What holds it back is prefill, which
-# dequantises the panels in every call: a transposing gather, ~3.5x the time of widening weight-only's
-# q (~230 ms against ~65 ms for the 228M model's 162M projection weights, under load), so a
-# 512-token prefill ran at 0.82x weight-only's tok/s by medians (0.81-0.88x round by round; 0.89x
-# in a shorter run): at the 15% line or past it (benchmarks/README.md, "int8-dot prefill from the
-# panels"). A faster unpacking (C++, near widening's memory speed) would put "avx2" here.
-INT8_DOT_ISAS: tuple[str, ...] = ()
+# Paths on which "int8" means int8-dot: AVX2. There int8-dot has the accuracy (mean KL against float32
+# on the 228M model 1.28-1.29e-3; weight-only 1.22e-3, llama.cpp's Q8_0 1.33e-3), decode at least as
+# fast as weight-only int8 (1.01-1.13x in quiet runs; beside Q8_0 0.96-1.01x, weight-only's 0.82-0.95x),
+# the memory (1 + 1/16 bytes per projection weight: the panels only) and, quiet, prefill near
+# weight-only's (XLA on the panels dequantised in the step: 0.97-0.98x at 256 and 512 tokens, 0.81x at
+# 64, where the per-call dequantisation weighs most; 0.82-0.89x under load). benchmarks/README.md,
+# "int8-dot prefill from the panels". AVX-512 CPUs read the panels with the same AVX2 code, not
+# measured against their own weight-only paths: they keep weight-only.
+INT8_DOT_ISAS: tuple[str, ...] = ("avx2",)
 
 
 def int8_mode(mode: str = "int8") -> str:
