@@ -25,8 +25,8 @@ def cmd_serve(args) -> int:
     sock = bind(args.host, args.port) if not multi or args.process_id == 0 else None
     init_distributed(args)
     use_compile_cache(args.compile_cache_dir, not args.no_compile_cache)
-    # The weights are read while the server's own modules import (FastAPI and the app: about
-    # 0.5 s of a warm restart).
+    # The weights are read while the server's own modules import (FastAPI and the app, ~0.3-0.5 s;
+    # on 2 busy cores the overlap is within the noise of a start: benchmarks/README.md).
     loading = _Background(_load, args)
     from hybridjax.server import ServerConfig, serve
 
@@ -99,7 +99,8 @@ def _load(args):
 
 class _Background:
     """fn(*args) on a daemon thread; `result()` waits and returns it or raises what it raised.
-    Daemon: an error in the caller (a port in use) exits at once, not after the load."""
+    Daemon: an error in the caller meanwhile (an unreadable --api-key-file) exits at once, not
+    after the load."""
 
     def __init__(self, fn, *args):
         import threading
