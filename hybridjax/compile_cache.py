@@ -130,6 +130,7 @@ def renamed(jitted, tag: str):
 
 
 _hits = threading.local()  # JAX's persistent-cache hits of compiles on this thread
+_counting, _counting_lock = False, threading.Lock()  # the listener counting them is registered once
 
 
 def _count_hit(event: str, **kw) -> None:
@@ -149,6 +150,3 @@ def cache_hits() -> int:
                 jax.monitoring.register_event_listener(_count_hit)
                 _counting = True
     return getattr(_hits, "n", 0)
-
-
-_counting, _counting_lock = False, threading.Lock()

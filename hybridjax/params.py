@@ -13,6 +13,7 @@ when the checkpoint has none.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Union
 
 import jax
@@ -91,7 +92,7 @@ class Params:
     layers: tuple  # tuple[DecoderLayer, ...]
     final_norm: Array  # [D]
     lm_head: Any  # [D, vocab], or None when tied to embed
-    extra: dict = pytree.field(default_factory=dict)  # checkpoint tensors kept verbatim (vision tower; unused by the model)
+    extra: dict = dataclasses.field(default_factory=dict)  # checkpoint tensors kept verbatim (vision tower; unused by the model)
     mtp: Any = None  # MTPParams, or None when the checkpoint has no MTP head
     # The jax.sharding.Mesh the leaves are placed on (hybridjax.sharding.shard_params), static so
     # that `forward` sees it while tracing; None on one device.

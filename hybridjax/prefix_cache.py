@@ -258,8 +258,7 @@ class SnapshotStore:
         Returns the ids of the snapshots brought back. Engine thread only (it writes device pages)."""
         out = set()
         for request, ns in zip(requests, namespace):
-            mine = [s for (n, _), s in self._entries.items() if n == ns]
-            mem = max((s.length for s, k in zip(mine, shared_lengths(request, mine)) if k == s.length), default=0)
+            mem = self._longest_in_memory(request, ns)
             got = self._take_fetched(request, ns, mem) or self.disk.fetch(request.as_tuple(), ns, mem)
             if got is None:
                 continue
@@ -281,6 +280,12 @@ class SnapshotStore:
             out.add(id(snap))
         return out
 
+    def _longest_in_memory(self, request: Tokens, ns: str) -> int:
+        """The length of the longest snapshot of `ns` in memory that `request` starts with (0: none):
+        what a disk read must beat. Under the lock."""
+        mine = [s for (n, _), s in self._entries.items() if n == ns]
+        return max((s.length for s, k in zip(mine, shared_lengths(request, mine)) if k == s.length), default=0)
+
     def prefetch(self, tokens: Sequence[int] | Tokens, namespace: str = "") -> bool:
         """Read now, on the caller's thread (a request's, before it is submitted), the disk snapshot
         a lookup of `tokens` would bring back, so that the engine thread's lookup (`_promote`) only
@@ -291,8 +296,7 @@ class SnapshotStore:
             return False
         request = Tokens.of(tokens)
         with self._lock:
-            mine = [s for (n, _), s in self._entries.items() if n == namespace]
-            mem = max((s.length for s, k in zip(mine, shared_lengths(request, mine)) if k == s.length), default=0)
+            mem = self._longest_in_memory(request, namespace)
         got = disk.fetch(request.as_tuple(), namespace, mem)  # outside the lock: the engine's lookups go on
         if got is None:
             return False

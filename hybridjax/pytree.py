@@ -25,11 +25,6 @@ def static(**kwargs):
     return dataclasses.field(metadata={"static": True}, **kwargs)
 
 
-def field(**kwargs):
-    """A dataclass field that is a leaf or subtree (`dataclasses.field`: defaults, factories)."""
-    return dataclasses.field(**kwargs)
-
-
 def _replace(self, **changes):
     """A copy with `changes` (a frozen dataclass is never changed in place)."""
     return dataclasses.replace(self, **changes)

@@ -488,7 +488,7 @@ def _matmul_q8_jvp(n, isa, max_threads, tile_cols, k_slices, x_block, primals, t
     k, lead = x.shape[-1], (0,) * (p.ndim - 2)
     q = unpack_int8(p[lead], k, n)
     f32 = jnp.float32
-    w = dequantize_int8_panels(p[lead], s[lead], k, n, x_block)
+    w = dequantize_int8_blocks(q, unpack_block_scales(s[lead], n).astype(f32), x_block)  # (q unpacked once for both)
     dw = dequantize_int8_blocks(q, unpack_block_scales(ds[lead].astype(f32), n), x_block)
     dy = jnp.matmul(dx.astype(f32), w) + jnp.matmul(x.astype(f32), dw)
     return y, dy
