@@ -138,6 +138,21 @@ def setup_row(calls, cfg: Config, state, row: int, gdn, logits, length: int, req
     return calls.setup_row(state, np.int32(row), gdn, logits, *args)
 
 
+def first_runs_off_the_loop(state_bytes: int) -> bool:
+    """Whether the programs made behind take their first runs on the compiling thread, on a
+    scratch engine state (`Engine._first_run_on_scratch`), rather than on the loop: on CPU, where a
+    first run costs 0.1-0.4 s, when a second state of `state_bytes` takes at most a quarter of the
+    memory available now (it lives while the programs behind are made)."""
+    if jax.default_backend() != "cpu":
+        return False
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):  # not Linux: keep them on the loop
+        return False
+    return state_bytes <= available // 4
+
+
 class DeviceLoop:
     """What the engine thread does, one iteration at a time (`step`): admit the waiting requests,
     run one prefill call, dispatch one decode step and deliver the previous one's tokens. It owns
@@ -200,11 +215,16 @@ class DeviceLoop:
         """Run `shape`'s program once on rows that do not exist (row `slots`: every write is
         dropped, nothing changes) and wait for it: compiles a jitted call, and pays an
         executable's first-run cost (0.1-0.4 s more on CPU) before any request would."""
+        self.state = self.padding_run(shape, self.state)
+
+    def padding_run(self, shape: tuple, state):
+        """`run_on_padding` on `state` (the engine's, or a scratch one of its shapes: the
+        engine's first runs off its thread): returns the state after it."""
         name, r, t = shape
         slots, pages = self.sched.slots, self.sched.pages_per_row
         pad = np.full((r,), slots, np.int32)
         table = np.full((r, pages), self.sched.pool.num_pages, np.int32)
-        s = self.state
+        s = state
         if name == "decode":
             out, s = self.calls.decode(self.params, s, pad, table, self.cfg, self.implementation)
         elif name == "spec_decode":
@@ -227,8 +247,8 @@ class DeviceLoop:
             out = s = self.calls.copy_page(s, self.sched.pool.num_pages, self.sched.pool.num_pages)
         else:
             raise ValueError(f"no padding run for {name}")
-        self.state = s
         jax.block_until_ready(out)
+        return s
 
     # --- admission ------------------------------------------------------------------------
     def _admit(self) -> None:
@@ -581,6 +601,7 @@ class Engine:
         self._worker: threading.Thread | None = None  # the last worker started (kept after stop)
         self._score_caches: list = []  # one-row caches of max_len positions for the scorer, free to take
         self._score_lock = threading.Lock()
+        self._scratch = None  # an engine state for first runs off the loop (`_first_run_on_scratch`)
         state = self._fresh_state()
         self.programs: programs.ProgramSet | None = None
         self.compiles: Compiles | None = None
@@ -895,19 +916,40 @@ class Engine:
         self.loop.drain()
 
     def _program_made(self, shape: tuple) -> None:
-        """A program compiled or loaded behind (on that thread): a step program is run once by the
-        loop when idle (woken here); a scoring program runs once here, on a two-token prompt
-        (scoring touches no engine state), so neither first run falls on a request."""
-        if shape[0] != "score":
-            with self.sched.wake:
-                self.sched.wake.notify_all()
-        else:
+        """A program compiled or loaded behind (on that thread) runs once before a request meets
+        it: a scoring program here, on a two-token prompt (scoring touches no engine state); a
+        step program here too, on a scratch state, where the engine runs first runs off its
+        thread (`calls.warm`), else by the loop when idle (woken here). A first run on the loop
+        held up any request that came meanwhile: up to 0.3 s, most often the first few after a
+        start, while the programs behind were made."""
+        if shape[0] == "score":
             self._first_run(shape)
+        elif self.calls.warm is not None:
+            self._first_run_on_scratch(shape)
+            self.calls.warm.add(shape)
+        if not self.compiles.queue:  # the last program behind
+            self._scratch = None
+        with self.sched.wake:
+            self.sched.wake.notify_all()
+
+    def _first_run_on_scratch(self, shape: tuple) -> None:
+        """`shape`'s first run on a scratch engine state, made once for all the programs behind and
+        dropped with the last (`_scratch`; compile thread only)."""
+        try:
+            if self._scratch is None:
+                self._scratch = self._fresh_state()
+            self._scratch = self.loop.padding_run(shape, self._scratch)
+        except Exception:  # the loop runs it anyway: a request pays the first run, as without this
+            self._scratch = None
+            log.exception("the first run of %s failed", programs.shape_name(shape))
+
+    def _fresh_state_bytes(self) -> int:
+        return sum(x.nbytes for x in jax.tree_util.tree_leaves(self.loop.state))
 
     def _unrun_program(self) -> tuple | None:
-        """A program the loop may run that exists and has never run (None: none, or calls that are
-        not executables)."""
-        if self.programs is None:
+        """A program the loop may run that exists and has never run (None: none, calls that are
+        not executables, or first runs made off the loop's thread)."""
+        if self.programs is None or self.calls.warm is not None:
             return None
         return next(iter(self.calls.unrun(self.shapes())), None)
 
@@ -948,12 +990,16 @@ class Engine:
         self.startup["first_runs_s"] = time.perf_counter() - t1
         if all(map(has, self.covering_shapes())):  # from now on the loop runs only what exists
             self.loop.has = self.calls.has  # (a warm-up the caller replaced: no, it compiles as it goes)
-        rest = [s for s in self.background_shapes() if not has(s)]
+            if first_runs_off_the_loop(self._fresh_state_bytes()):  # and only what has run once
+                self.calls.warm = set(self.calls.ran)
+        # Programs present but never run go behind too: their first run is made there.
+        rest = [s for s in self.background_shapes() if not has(s) or s not in self.calls.ran]
         rest.sort(key=lambda s: not on_disk(s))  # a restart loads all it kept (quick) before compiling
-        self.startup.update(ready_s=time.perf_counter() - t0, behind=len(rest))
+        self.startup.update(ready_s=time.perf_counter() - t0, behind=sum(not has(s) for s in rest))
         log.info("start-up: ready in %.1f s: %s; first runs %.1f s%s", self.startup["ready_s"],
                  self.startup.get("summary", "nothing prepared"),  # (a warm-up replaced by the caller)
-                 self.startup["first_runs_s"], f"; {len(rest)} more compile behind" if rest else "")
+                 self.startup["first_runs_s"],
+                 f"; {self.startup['behind']} more compile behind" if self.startup["behind"] else "")
         self._compile_behind(rest)
 
     def _fail_all(self, error: Exception) -> None:

@@ -117,6 +117,7 @@ def test_serves_on_the_covering_set_and_never_compiles_live(exe_dir):
 
         # then the rest compiles behind while requests run: still nothing compiles on their threads
         before = len(_events)
+        first_runs = _record_first_runs(eng)
         del eng._compile_behind  # the engine's own again
         eng._compile_behind([("decode", 1, 1), ("prefill", 1, 32), ("prefill", 2, 16), ("score", 1, 256)])
         for _ in range(3):
@@ -124,15 +125,54 @@ def test_serves_on_the_covering_set_and_never_compiles_live(exe_dir):
             assert collect(eng.submit(GenerationRequest(LONG, max_tokens=4))).token_ids == long_ref
         eng._compiler.join(600)
         assert eng.programs.has(("decode", 1, 1)) and eng.programs.has(("prefill", 1, 32))
-        # a program made behind runs once while the engine idles, before a request needs it (no
-        # request above prefills two rows at once)
-        deadline = time.monotonic() + 60
-        while eng.calls.unrun([("prefill", 2, 16)]) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        # a program made behind runs once on the compiling thread, on a scratch state, before the
+        # loop may run it: no request waits for a first run, not even behind the loop's own
+        assert eng.calls.warm is not None and eng._scratch is None  # dropped with the last program
         assert eng.calls.unrun([("decode", 1, 1), ("prefill", 1, 32), ("prefill", 2, 16)]) == []
+        made = {("decode", 1, 1), ("prefill", 1, 32), ("prefill", 2, 16)}
+        assert {t for s, t in first_runs if s in made} == {"hybridjax-compile"} and made <= {s for s, _ in first_runs}
         assert ("score", 1, 256) in eng.calls.ran  # a scorer ran once as it was made (the mix scores in 16s)
         _serve_a_mix(eng, refs, long_ref)  # on the new buckets: the same tokens
         assert compiles_outside_the_compile_thread(before) == [] and eng.calls.live_compiles == 0
+    finally:
+        eng.stop()
+
+
+def _record_first_runs(eng: Engine) -> list:
+    """(shape, thread) of each step executable's first run from now on."""
+    runs, run_ = [], eng.calls._run
+
+    def recording(shape, args, jitted):
+        if shape not in {s for s, _ in runs}:
+            runs.append((shape, threading.current_thread().name))
+        return run_(shape, args, jitted)
+
+    eng.calls._run = recording
+    return runs
+
+
+def test_without_room_for_a_scratch_state_first_runs_are_the_idle_loops(exe_dir, monkeypatch):
+    """Where a second engine state does not fit (or off CPU), a program made behind runs once on
+    the loop while it idles, and the loop may run it as soon as it exists."""
+    import hybridjax.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "first_runs_off_the_loop", lambda state_bytes: False)
+    engine_programs.clear_registry()  # programs of its own, loaded from disk (none has run)
+    eng = _engine(exe_dir)
+    eng._compile_behind = lambda shapes: None
+    eng.start(warmup=True)
+    try:
+        assert eng.ready.wait(600) and eng.calls.warm is None
+        first_runs = _record_first_runs(eng)
+        del eng._compile_behind
+        made = [("decode", 1, 1), ("prefill", 1, 32)]  # kept on disk by the test above: loaded
+        eng._compile_behind(made)
+        eng._compiler.join(600)
+        deadline = time.monotonic() + 60
+        while eng.calls.unrun(made) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert eng.calls.unrun(made) == [] and eng._scratch is None
+        assert sorted(first_runs) == [(s, "hybridjax-engine") for s in made]
     finally:
         eng.stop()
 
