@@ -601,7 +601,7 @@ class Engine:
         self._worker: threading.Thread | None = None  # the last worker started (kept after stop)
         self._score_caches: list = []  # one-row caches of max_len positions for the scorer, free to take
         self._score_lock = threading.Lock()
-        self._scratch = None  # an engine state for first runs off the loop (`_first_run_on_scratch`)
+        self._scratch: dict[int, object] = {}  # thread id -> its engine state for first runs off the loop
         state = self._fresh_state()
         self.programs: programs.ProgramSet | None = None
         self.compiles: Compiles | None = None
@@ -791,7 +791,13 @@ class Engine:
         with _WARMUP_LOCK:
             if self.compiles is None:
                 return self._warmup_by_running(progress)
-            return self.compiles.prepare(shapes or self.shapes(), progress)
+            after = None
+            if first_runs_off_the_loop(self._fresh_state_bytes()):  # each runs once where it was made
+                after = functools.partial(self._first_run_where_made, threading.current_thread())
+            try:
+                return self.compiles.prepare(shapes or self.shapes(), progress, after)
+            finally:
+                self._scratch.clear()  # the helpers' (they have ended)
 
     def _compile_behind(self, shapes: list[tuple]) -> None:
         """Compile `shapes` in a thread while the engine serves; a request meanwhile runs on a
@@ -928,20 +934,29 @@ class Engine:
             self._first_run_on_scratch(shape)
             self.calls.warm.add(shape)
         if not self.compiles.queue:  # the last program behind
-            self._scratch = None
+            self._scratch.pop(threading.get_ident(), None)
         with self.sched.wake:
             self.sched.wake.notify_all()
 
     def _first_run_on_scratch(self, shape: tuple) -> None:
-        """`shape`'s first run on a scratch engine state, made once for all the programs behind and
-        dropped with the last (`_scratch`; compile thread only)."""
+        """`shape`'s first run on the calling thread's scratch engine state (`_scratch`), made at
+        its first and kept for the next until that thread's programs are made."""
+        me = threading.get_ident()
         try:
-            if self._scratch is None:
-                self._scratch = self._fresh_state()
-            self._scratch = self.loop.padding_run(shape, self._scratch)
+            state = self._scratch.get(me)
+            self._scratch[me] = self.loop.padding_run(shape, self._fresh_state() if state is None else state)
         except Exception:  # the loop runs it anyway: a request pays the first run, as without this
-            self._scratch = None
+            self._scratch.pop(me, None)
             log.exception("the first run of %s failed", programs.shape_name(shape))
+
+    def _first_run_where_made(self, preparer: threading.Thread, shape: tuple) -> None:
+        """Start-up's `after`: a program just compiled or loaded runs once on the thread that made
+        it: the preparing thread on the engine's own state (the loop does not run yet), a helper
+        thread on a scratch state, so the first runs of a start take every core, not one."""
+        if shape[0] == "score" or threading.current_thread() is preparer:
+            self._first_run(shape)
+        else:
+            self._first_run_on_scratch(shape)
 
     def _fresh_state_bytes(self) -> int:
         return sum(x.nbytes for x in jax.tree_util.tree_leaves(self.loop.state))

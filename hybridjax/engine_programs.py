@@ -280,10 +280,11 @@ class StartUp:
     def done(self) -> int:
         return sum(self.outcomes.values())
 
-    def run(self, cancel: threading.Event, report=None) -> None:
-        """Ensure every shape; `report(shape, how, seconds)` after each (from the thread that
-        did it). Once `cancel` is set no new shape starts; returns when the started ones end
-        (a compile under way cannot be interrupted). A failed compile is raised here."""
+    def run(self, cancel: threading.Event, report=None, after=None) -> None:
+        """Ensure every shape; `report(shape, how, seconds)` after each, then `after(shape)` (both
+        from the thread that did it: the caller's or a helper). Once `cancel` is set no new shape
+        starts; returns when the started ones end (a compile under way cannot be interrupted). A
+        failed compile is raised here."""
         errors: list[BaseException] = []
 
         def work():
@@ -305,6 +306,8 @@ class StartUp:
                         self.seconds[shape] = seconds
                 if report is not None:
                     report(shape, how, seconds)
+                if after is not None:
+                    after(shape)
 
         helpers = [threading.Thread(target=work, name=f"hybridjax-startup-{i}", daemon=True)
                    for i in range(1, self.threads)]

@@ -111,9 +111,10 @@ class Compiles:
         self.urgent: list[threading.Thread] = []  # those compiling for a waiting request (`first`)
         self.startup: dict = {}  # how `prepare` went: seconds, programs loaded / compiled
 
-    def prepare(self, shapes: Sequence[tuple], progress: bool) -> float:
+    def prepare(self, shapes: Sequence[tuple], progress: bool, after: Callable[[tuple], None] | None = None) -> float:
         """Have `shapes` compiled or loaded, several side by side (`engine_programs.StartUp`), one
-        log line each (at INFO with `progress`: n/N, seconds, time left). Returns the seconds."""
+        log line each (at INFO with `progress`: n/N, seconds, time left); `after(shape)` then, on
+        the thread that made it (the engine: its first run). Returns the seconds."""
         run = programs.StartUp(self.programs, list(shapes), programs.compile_threads())
 
         def report(shape, how, seconds):
@@ -123,7 +124,7 @@ class Compiles:
             log.log(level, "start-up: %d/%d %s %s in %.1f s%s", run.done, run.total, programs.shape_name(shape), how,
                     seconds, eta)
 
-        run.run(self.cancel, report)
+        run.run(self.cancel, report, after)
         seconds = time.perf_counter() - run.t0
         self.startup = dict(seconds=seconds, programs=len(shapes), summary=run.summary(), **run.outcomes)
         return seconds

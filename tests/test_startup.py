@@ -97,6 +97,7 @@ def test_serves_on_the_covering_set_and_never_compiles_live(exe_dir):
     eng = _engine(exe_dir)
     behind = []
     eng._compile_behind = behind.extend  # first: nothing compiles behind (only the covering set exists)
+    covering_runs = _record_first_runs(eng)
     eng.start(warmup=True)
     try:
         assert eng.ready.wait(600)
@@ -104,8 +105,14 @@ def test_serves_on_the_covering_set_and_never_compiles_live(exe_dir):
         assert set(behind) == set(eng.shapes() + eng.score_shapes()) - set(eng.covering_shapes())
         for shape in (("decode", 1, 1), ("prefill", 1, 32), ("score", 1, 256)):
             assert not eng.programs.has(shape)  # so requests pad to decode x4, split into chunks of 16
-        # each covering program ran once on padding rows before ready (a first run costs more)
-        assert eng.calls.unrun(eng.covering_shapes()) == [] and eng.startup["first_runs_s"] > 0
+        # each covering program ran once on padding rows before ready (a first run costs more), on
+        # the thread that made it: the engine's on its state, a helper on a scratch state, dropped
+        assert eng.calls.unrun(eng.covering_shapes()) == [] and eng._scratch == {}
+        steps_made = {s for s in eng.covering_shapes() if s[0] != "score"}
+        assert {s for s, _ in covering_runs} == steps_made
+        threads = {t for _, t in covering_runs}
+        assert threads <= {"hybridjax-engine"} | {f"hybridjax-startup-{i}" for i in range(1, 4)}
+        assert len(threads) == min(engine_programs.compile_threads(), 2)  # 9 programs: every thread made some
         # Nothing compiles behind, and nothing for a request: the mix's echo is scored in pieces of
         # 16, the covering scorer (no compile for a waiting request: `Compiles.first`).
         before, chunks, made = len(_events), eng.counters["prefill_chunks"], eng.programs.counters["compiled"]
@@ -127,7 +134,7 @@ def test_serves_on_the_covering_set_and_never_compiles_live(exe_dir):
         assert eng.programs.has(("decode", 1, 1)) and eng.programs.has(("prefill", 1, 32))
         # a program made behind runs once on the compiling thread, on a scratch state, before the
         # loop may run it: no request waits for a first run, not even behind the loop's own
-        assert eng.calls.warm is not None and eng._scratch is None  # dropped with the last program
+        assert eng.calls.warm is not None and eng._scratch == {}  # dropped with the last program
         assert eng.calls.unrun([("decode", 1, 1), ("prefill", 1, 32), ("prefill", 2, 16)]) == []
         made = {("decode", 1, 1), ("prefill", 1, 32), ("prefill", 2, 16)}
         assert {t for s, t in first_runs if s in made} == {"hybridjax-compile"} and made <= {s for s, _ in first_runs}
@@ -171,7 +178,7 @@ def test_without_room_for_a_scratch_state_first_runs_are_the_idle_loops(exe_dir,
         deadline = time.monotonic() + 60
         while eng.calls.unrun(made) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert eng.calls.unrun(made) == [] and eng._scratch is None
+        assert eng.calls.unrun(made) == [] and eng._scratch == {}
         assert sorted(first_runs) == [(s, "hybridjax-engine") for s in made]
     finally:
         eng.stop()
