@@ -331,15 +331,21 @@ class DeviceLoop:
                                                          call.table, call.last, self.cfg, self.implementation)
         self.counters["prefill_chunks"] += 1
         self.counters["tokens_prefilled"] += int(call.counts.sum())
-        for i, (row, slot, c) in enumerate(call.chosen):
-            if self.store is not None:
-                self.store.counters["tokens_prefilled"] += c
-            if slot.advance(c):
+        due = [slot.advance(c) for _, slot, c in call.chosen]
+        if self.store is not None:
+            self.store.counters["tokens_prefilled"] += int(call.counts.sum())
+        # Each prompt's first token is sent before any snapshot is stored: the snapshots' host
+        # work is not the client's wait. A row that token ends is closed only after, since its
+        # snapshot holds its pages; no device work runs in between, so it reads this call's state.
+        finishes = [self._send(slot, *_draw_of(drawn, i, slot)) if call.last[i] else None
+                    for i, (_, slot, _) in enumerate(call.chosen)]
+        for (row, slot, _), snapshot, finish in zip(call.chosen, due, finishes):
+            if snapshot:
                 self._snapshot(slot, row, slot.snapshot_kind())
             if not slot.prefilling and slot.background:
                 self._end_background(slot)
-            elif call.last[i]:
-                self._deliver(slot, *_draw_of(drawn, i, slot), slot.pos, moving=False, ends=(slot.pos, slot.pos))
+            elif finish:
+                self._finish(slot, finish, slot.pos, moving=False, ends=(slot.pos, slot.pos))
 
     def _end_background(self, slot: Slot) -> None:
         """A background prefill ends: counted apart, not as a finished request (nobody sent it)."""
@@ -499,19 +505,28 @@ class DeviceLoop:
         """Send one drawn token. `length`: the row's cache length when it was drawn; `moving`: a
         step already dispatched feeds it (the next step feeds a finished row's last token too);
         `ends`: the row's (least, most) cache length once the dispatched steps have run."""
+        finish = self._send(slot, token, logprobs)
+        if finish:
+            self._finish(slot, finish, length, moving, ends)
+
+    def _send(self, slot: Slot, token: int, logprobs: tuple) -> str | None:
+        """Send one drawn token to the client; the finish reason it brings, or None."""
         if logprobs:
             slot.handle.logprobs.append(logprobs)
         self.counters["tokens_generated"] += 1
         send, finish = slot.accept(token)
         slot.handle._emit(Event(token, send, None, *logprobs))
-        if finish:
-            self._close(slot, finish)
-            # The response snapshot covers what the row's cache will cover: every token sent when
-            # a dispatched step feeds the last one (a response that ends while decoding), else
-            # all but the last (one that ends at its first token: the prompt's snapshot already).
-            # The snapshot is read after that step: device work runs in dispatch order.
-            self._snapshot(slot, slot.row, "response", length=length + int(moving), copy_partial=False, ends=ends)
-            self.sched.free(slot)
+        return finish
+
+    def _finish(self, slot: Slot, reason: str, length: int, moving: bool, ends: tuple[int, int]) -> None:
+        """The response ends (`_deliver`'s arguments): close it, store its snapshot, free the row."""
+        self._close(slot, reason)
+        # The response snapshot covers what the row's cache will cover: every token sent when
+        # a dispatched step feeds the last one (a response that ends while decoding), else
+        # all but the last (one that ends at its first token: the prompt's snapshot already).
+        # The snapshot is read after that step: device work runs in dispatch order.
+        self._snapshot(slot, slot.row, "response", length=length + int(moving), copy_partial=False, ends=ends)
+        self.sched.free(slot)
 
     def _close(self, slot: Slot, reason: str) -> None:
         """The client gets its finish event."""

@@ -16,7 +16,7 @@ from engine_helpers import ENGINE_KW, SLOTS, TIMEOUT, cold, collect, covered, en
 
 import hybridjax.engine_steps as engine_steps
 from hybridjax.default_model import tiny_test_model
-from hybridjax.engine import Engine, GenerationRequest, QueueFull
+from hybridjax.engine import Engine, GenerationRequest, QueueFull, RequestHandle
 from hybridjax.prefix_cache import SnapshotStore
 
 
@@ -100,6 +100,40 @@ def test_an_exact_repeat_costs_no_prefill(engine):
     more = run(engine, cont, 4)
     assert more.cached_tokens == len(p) + covered(first) == len(cont) - 1 and prefilled(engine) == before + 1
     assert more.token_ids == cold(cont, 4)
+
+
+def test_the_first_token_is_sent_before_the_prompt_snapshot_is_stored(engine, monkeypatch):
+    """The prompt's snapshot (its pages, the row's read, the store's insert) is not part of the time
+    to first token: the token is out before it is stored. A request that token ends (max_tokens=1)
+    still leaves it, and a repeat is an exact hit with the cold path's token."""
+    log = []
+    emit, insert = RequestHandle._emit, engine.store.insert
+
+    def logged_emit(handle, event):
+        if handle.request.namespace == "first":
+            log.append(("token", event.token_id) if event.finish_reason is None else ("finish", event.finish_reason))
+        emit(handle, event)
+
+    def logged_insert(tokens, *a, namespace="", kind="prompt", **k):
+        if namespace == "first":
+            log.append(("insert", kind, len(tokens)))
+        return insert(tokens, *a, namespace=namespace, kind=kind, **k)
+
+    monkeypatch.setattr(RequestHandle, "_emit", logged_emit)
+    monkeypatch.setattr(engine.store, "insert", logged_insert)
+    p = ids("Send first, then snapshot it")
+    r = run(engine, p, 1, namespace="first")
+    assert r.token_ids == cold(p, 1) and r.finish_reason == "length"
+    assert log[:3] == [("token", r.token_ids[0]), ("insert", "prompt", len(p)), ("finish", "length")]
+    before = prefilled(engine)
+    again = run(engine, p, 1, namespace="first")
+    assert again.cached_tokens == len(p) and prefilled(engine) == before and again.token_ids == r.token_ids
+
+    log.clear()
+    q = ids("Longer answer: first, snapshot")
+    r = run(engine, q, 3, namespace="first")
+    assert r.token_ids == cold(q, 3)
+    assert log.index(("token", r.token_ids[0])) < log.index(("insert", "prompt", len(q)))
 
 
 def test_a_response_ended_by_max_tokens_spends_no_step_after_its_last_token(engine):
@@ -269,7 +303,8 @@ def test_a_failed_admission_fails_that_request_only(engine, monkeypatch):
     monkeypatch.setattr(engine.store, "insert", failing_insert)
     p = ids("Admission fails for this one")
     h = run(engine, p, 4)
-    assert h.finish_reason == "error" and h.token_ids == []
+    # the prompt's snapshot is stored after its first token is sent
+    assert h.finish_reason == "error" and h.token_ids == cold(p, 1)
     monkeypatch.setattr(engine.store, "insert", real)
     ok = run(engine, p, 4)
     assert ok.finish_reason == "length" and ok.token_ids == cold(p, 4) and ok.cached_tokens == 0
