@@ -327,8 +327,9 @@ class DeviceLoop:
         if call is None:
             return
         self._prefilled = True
-        drawn, _, self.state = self.calls.prefill_chunk(self.params, self.state, call.rows, call.tokens, call.counts,
-                                                         call.table, call.last, self.cfg, self.implementation)
+        drawn, reads, self.state = self.calls.prefill_chunk(self.params, self.state, call.rows, call.tokens,
+                                                             call.counts, call.table, call.last, self.cfg,
+                                                             self.implementation)
         self.counters["prefill_chunks"] += 1
         self.counters["tokens_prefilled"] += int(call.counts.sum())
         due = [slot.advance(c) for _, slot, c in call.chosen]
@@ -339,9 +340,9 @@ class DeviceLoop:
         # snapshot holds its pages; no device work runs in between, so it reads this call's state.
         finishes = [self._send(slot, *_draw_of(drawn, i, slot)) if call.last[i] else None
                     for i, (_, slot, _) in enumerate(call.chosen)]
-        for (row, slot, _), snapshot, finish in zip(call.chosen, due, finishes):
+        for i, ((row, slot, _), snapshot, finish) in enumerate(zip(call.chosen, due, finishes)):
             if snapshot:
-                self._snapshot(slot, row, slot.snapshot_kind())
+                self._snapshot(slot, row, slot.snapshot_kind(), read=reads[i])
             if not slot.prefilling and slot.background:
                 self._end_background(slot)
             elif finish:
@@ -355,11 +356,12 @@ class DeviceLoop:
         self.sched.free(slot)
 
     def _snapshot(self, slot: Slot, row: int, kind: str, length: int | None = None, copy_partial: bool = True,
-                  ends: tuple[int, int] | None = None) -> None:
+                  ends: tuple[int, int] | None = None, read: tuple | None = None) -> None:
         """Store the row's state after its first `length` tokens: full pages by id; a partial
         last page copied (the row still writes into it) unless the row is done writing.
         ends: a response's (least, most) cache length once the dispatched steps have run
-        (`Scheduler.ends`): a speculative engine snapshots a response only if that is `length`."""
+        (`Scheduler.ends`): a speculative engine snapshots a response only if that is `length`.
+        read: the row's (gdn, logits) now, from the prefill call that ended here (else read)."""
         if self.store is None:
             return
         length = slot.pos if length is None else length
@@ -378,7 +380,7 @@ class DeviceLoop:
         pages, copy = held
         if copy is not None:
             self.state = self.calls.copy_page(self.state, *copy)
-        gdn, logits = self.calls.read_row(self.state, row)
+        gdn, logits = read if read is not None else self.calls.read_row(self.state, row)
         tokens = snapshot_tokens(slot.handle.request.prompt_array, slot.drawn, length)
         insert = functools.partial(self.store.insert, tokens, gdn, logits, namespace=slot.handle.request.namespace,
                                    kind=kind, pages=pages)

@@ -160,6 +160,25 @@ def test_a_prompt_diverging_in_the_middle_resumes_from_the_last_checkpoint(engin
         assert h.token_ids == cold(b, 6), diverge
 
 
+def test_a_snapshot_at_a_prefill_calls_end_takes_the_row_from_that_call(engine_ckpt, monkeypatch):
+    """Checkpoint and prompt snapshots take the row's state from the prefill call that ends there:
+    no row read of their own (a call that cost the host ~0.6 ms after a long prefill on CPU); only
+    the response's snapshot reads the row. Prompts resuming from them equal the cold path."""
+    reads = []
+    read_row = engine_ckpt.calls.read_row
+    monkeypatch.setattr(engine_ckpt.calls, "read_row", lambda *a: reads.append(a[1]) or read_row(*a))
+    a = ids("Rows read by the call, 16 a time")
+    assert len(a) == 32
+    r = run(engine_ckpt, a, 3, namespace="reads")
+    assert r.token_ids == cold(a, 3) and len(reads) == 1  # the response's snapshot
+    assert engine_ckpt.store.lookup(a[:16], namespace="reads").snapshot.kind == "checkpoint"
+    b = a[:20] + enc("! new tail")
+    h = run(engine_ckpt, b, 4, namespace="reads")
+    assert h.cached_tokens == 16 and h.token_ids == cold(b, 4)
+    again = run(engine_ckpt, a, 4, namespace="reads")
+    assert again.cached_tokens == len(a) and again.token_ids == cold(a, 4)
+
+
 # --- batching -------------------------------------------------------------------------------
 
 
