@@ -13,7 +13,8 @@ decides. Each loop iteration
      prefilled (several rows when their chunks fit together); a chunk ends at a snapshot
      point (checkpoint, end of the chat history, a prefix shared with another request, the end
      of the prompt) where the row's snapshot is taken: full pages shared, the partial page
-     copied; a prompt's last chunk draws its first token, which is sent at once;
+     copied, the row's state as the call returned it; a prompt's last chunk draws its first
+     token, which is sent at once, before the call's snapshots are stored;
   3. dispatches one decode step for the rows that are decoding (a batch bucket of them: idle
      slots cost nothing; a row whose last token by max_tokens is being drawn sits out), then,
      while it runs, delivers the previous step's tokens: text, stop strings, finishes. A
