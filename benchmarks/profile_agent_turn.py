@@ -1,13 +1,14 @@
 """Where a continuation's time to first token goes: bench_agent's trace, one turn at a time, timed
 piece by piece.
 
-    python benchmarks/profile_agent_turn.py [--rounds 10] [--tool-tokens 250,320] [--gap 0] [--cold]
+    python benchmarks/profile_agent_turn.py [--rounds 10] [--tool-tokens 250,320] [--gap 0] [--cold] [--served]
 
 The server of bench_agent.py (in-process, the embedded default model), started and then left to
 finish compiling every shape (`ready` comes while the rest still compile behind), on one
 kept-alive client connection. Every device call of the engine is timed with `block_until_ready` on its
 outputs (so the host and the device no longer overlap: the sum is an upper bound of the device
-time); the host pieces around them (admission, the store's lookup and inserts, snapshot points,
+time; with --served only the prefill calls are, as bench_agent times a turn, and a small call
+counts what it costs the host there); the host pieces around them (admission, the store's lookup and inserts, snapshot points,
 template rendering and tokenizing in the server) are timed too. Per turn, one line of the
 client's TTFT split into:
   server_in   request sent -> the engine's `submit` (HTTP, parsing, rendering, tokenizing)
@@ -56,12 +57,14 @@ def timed(obj, name, what=None, block=False, detail=None):
     setattr(obj, name, wrapper)
 
 
-def instrument(engine, tok):
+def instrument(engine, tok, served: bool = False):
+    """served: block on the prefill calls only (as bench_agent times a turn), so a small call
+    counts its dispatch and whatever it runs inline, not the device work queued behind it."""
     calls = engine.calls
     timed(calls, "prefill_chunk", "prefill_call", True,
           lambda params, state, rows, tokens, counts, *r, **k: (tuple(tokens.shape), counts.tolist()))
     for name in ("setup_row", "copy_page", "read_row", "sample_first", "decode", "set_bits"):
-        timed(calls, name, name, True)
+        timed(calls, name, name, not served)
     timed(engine.loop, "_admit", "admit")
     timed(engine.loop, "_snapshot", "snapshot", detail=lambda slot, row, kind, *a, **k: (kind, slot.pos))
     timed(engine.loop, "_process", "process")
@@ -138,6 +141,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tool-tokens", default="250,320")
     ap.add_argument("--gap", type=float, default=0.0)
     ap.add_argument("--cold", action="store_true")
+    ap.add_argument("--served", action="store_true",
+                    help="block on the prefill calls only, not on each small call (as bench_agent)")
     ap.add_argument("--ab", type=int, default=0, help="replays of each chunk plan (planned, plain), interleaved")
     ap.add_argument("--checkpoint-interval", type=int, default=None)
     ap.add_argument("--executable-dir", default=None, help="keep compiled programs here between runs")
@@ -160,7 +165,7 @@ def main(argv=None) -> int:
         await app(scope, receive, send)
 
     server, thread = bench_agent.serve_until_compiled(arrival, engine, port)
-    instrument(engine, tok)
+    instrument(engine, tok, args.served)
     with open("/proc/loadavg") as f:
         print("load average at start:", f.read().split()[:3])
     rows = []

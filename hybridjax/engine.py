@@ -13,7 +13,8 @@ decides. Each loop iteration
      prefilled (several rows when their chunks fit together); a chunk ends at a snapshot
      point (checkpoint, end of the chat history, a prefix shared with another request, the end
      of the prompt) where the row's snapshot is taken: full pages shared, the partial page
-     copied; a prompt's last chunk draws its first token, which is sent at once;
+     copied, the row's state as the call returned it; a prompt's last chunk draws its first
+     token, which is sent at once, before the call's snapshots are stored;
   3. dispatches one decode step for the rows that are decoding (a batch bucket of them: idle
      slots cost nothing; a row whose last token by max_tokens is being drawn sits out), then,
      while it runs, delivers the previous step's tokens: text, stop strings, finishes. A
@@ -347,19 +348,26 @@ class DeviceLoop:
         if call is None:
             return
         self._prefilled = True
-        drawn, _, self.state = self.calls.prefill_chunk(self.params, self.state, call.rows, call.tokens, call.counts,
-                                                         call.table, call.last, self.cfg, self.implementation)
+        drawn, reads, self.state = self.calls.prefill_chunk(self.params, self.state, call.rows, call.tokens,
+                                                             call.counts, call.table, call.last, self.cfg,
+                                                             self.implementation)
         self.counters["prefill_chunks"] += 1
         self.counters["tokens_prefilled"] += int(call.counts.sum())
-        for i, (row, slot, c) in enumerate(call.chosen):
-            if self.store is not None:
-                self.store.counters["tokens_prefilled"] += c
-            if slot.advance(c):
-                self._snapshot(slot, row, slot.snapshot_kind())
+        due = [slot.advance(c) for _, slot, c in call.chosen]
+        if self.store is not None:
+            self.store.counters["tokens_prefilled"] += int(call.counts.sum())
+        # Each prompt's first token is sent before any snapshot is stored: the snapshots' host
+        # work is not the client's wait. A row that token ends is closed only after, since its
+        # snapshot holds its pages; no device work runs in between, so it reads this call's state.
+        finishes = [self._send(slot, *_draw_of(drawn, i, slot)) if call.last[i] else None
+                    for i, (_, slot, _) in enumerate(call.chosen)]
+        for i, ((row, slot, _), snapshot, finish) in enumerate(zip(call.chosen, due, finishes)):
+            if snapshot:
+                self._snapshot(slot, row, slot.snapshot_kind(), read=reads[i])
             if not slot.prefilling and slot.background:
                 self._end_background(slot)
-            elif call.last[i]:
-                self._deliver(slot, *_draw_of(drawn, i, slot), slot.pos, moving=False, ends=(slot.pos, slot.pos))
+            elif finish:
+                self._finish(slot, finish, slot.pos, moving=False, ends=(slot.pos, slot.pos))
 
     def _end_background(self, slot: Slot) -> None:
         """A background prefill ends: counted apart, not as a finished request (nobody sent it)."""
@@ -369,11 +377,12 @@ class DeviceLoop:
         self.sched.free(slot)
 
     def _snapshot(self, slot: Slot, row: int, kind: str, length: int | None = None, copy_partial: bool = True,
-                  ends: tuple[int, int] | None = None) -> None:
+                  ends: tuple[int, int] | None = None, read: tuple | None = None) -> None:
         """Store the row's state after its first `length` tokens: full pages by id; a partial
         last page copied (the row still writes into it) unless the row is done writing.
         ends: a response's (least, most) cache length once the dispatched steps have run
-        (`Scheduler.ends`): a speculative engine snapshots a response only if that is `length`."""
+        (`Scheduler.ends`): a speculative engine snapshots a response only if that is `length`.
+        read: the row's (gdn, logits) now, from the prefill call that ended here (else read)."""
         if self.store is None:
             return
         length = slot.pos if length is None else length
@@ -392,7 +401,7 @@ class DeviceLoop:
         pages, copy = held
         if copy is not None:
             self.state = self.calls.copy_page(self.state, *copy)
-        gdn, logits = self.calls.read_row(self.state, row)
+        gdn, logits = read if read is not None else self.calls.read_row(self.state, row)
         tokens = snapshot_tokens(slot.handle.request.prompt_array, slot.drawn, length)
         insert = functools.partial(self.store.insert, tokens, gdn, logits, namespace=slot.handle.request.namespace,
                                    kind=kind, pages=pages)
@@ -519,19 +528,28 @@ class DeviceLoop:
         """Send one drawn token. `length`: the row's cache length when it was drawn; `moving`: a
         step already dispatched feeds it (the next step feeds a finished row's last token too);
         `ends`: the row's (least, most) cache length once the dispatched steps have run."""
+        finish = self._send(slot, token, logprobs)
+        if finish:
+            self._finish(slot, finish, length, moving, ends)
+
+    def _send(self, slot: Slot, token: int, logprobs: tuple) -> str | None:
+        """Send one drawn token to the client; the finish reason it brings, or None."""
         if logprobs:
             slot.handle.logprobs.append(logprobs)
         self.counters["tokens_generated"] += 1
         send, finish = slot.accept(token)
         slot.handle._emit(Event(token, send, None, *logprobs))
-        if finish:
-            self._close(slot, finish)
-            # The response snapshot covers what the row's cache will cover: every token sent when
-            # a dispatched step feeds the last one (a response that ends while decoding), else
-            # all but the last (one that ends at its first token: the prompt's snapshot already).
-            # The snapshot is read after that step: device work runs in dispatch order.
-            self._snapshot(slot, slot.row, "response", length=length + int(moving), copy_partial=False, ends=ends)
-            self.sched.free(slot)
+        return finish
+
+    def _finish(self, slot: Slot, reason: str, length: int, moving: bool, ends: tuple[int, int]) -> None:
+        """The response ends (`_deliver`'s arguments): close it, store its snapshot, free the row."""
+        self._close(slot, reason)
+        # The response snapshot covers what the row's cache will cover: every token sent when
+        # a dispatched step feeds the last one (a response that ends while decoding), else
+        # all but the last (one that ends at its first token: the prompt's snapshot already).
+        # The snapshot is read after that step: device work runs in dispatch order.
+        self._snapshot(slot, slot.row, "response", length=length + int(moving), copy_partial=False, ends=ends)
+        self.sched.free(slot)
 
     def _close(self, slot: Slot, reason: str) -> None:
         """The client gets its finish event."""

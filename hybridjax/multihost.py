@@ -8,9 +8,9 @@ stands in for that module: each call is described (the step's name and its host 
 rows, tokens, token counts, page tables, lengths, sampling parameters, seeds, all numpy) and
 sent to every follower, then run. A follower (`follow`) reads the descriptions in order and
 makes the same calls on its own copies of the device values: the engine state (every step
-takes it and returns the new one, donated), the params, and the row states `read_row` returns
-(process 0's snapshot store keeps them; each follower keeps its shards under a number, which
-process 0 releases when its own copy is dropped). Warm-up is a sequence of such calls, so it is
+takes it and returns the new one, donated), the params, and the row states `read_row` and
+`prefill_chunk` return (process 0's snapshot store keeps them; each follower keeps its shards
+under a number, which process 0 releases when its own copy is dropped). Warm-up is a sequence of such calls, so it is
 replayed like any other; a single-process engine calls the module directly and pays nothing.
 
 The channel: one TCP connection from each follower to process 0, on a port process 0 picks
@@ -52,7 +52,9 @@ log = logging.getLogger(__name__)
 # The steps a multi-process engine may run. read_pages / write_pages (snapshot persistence)
 # are left out: they move sharded pages to and from process 0's host alone.
 REPLAYED = ("init_state", "prefill_chunk", "decode", "sample_first", "setup_row", "set_bits", "copy_page", "read_row")
-KEPT = "read_row"  # its outputs come back as inputs later (a snapshot's row state): kept by number
+# Outputs that come back as inputs later (a snapshot's row state): kept by number. A prefill call
+# returns each row's state after it (`engine_steps._prefill`), which a snapshot may take.
+KEPT = {"read_row": lambda out: out, "prefill_chunk": lambda out: out[1]}
 _STRUCTS = {"GDNState": GDNState, "SamplingParams": SamplingParams}
 _STOP = "stop"
 _HEADER = struct.Struct("<Q")
@@ -213,8 +215,8 @@ class StepLeader:
             self._broadcast((released, name, wire_args, wire_kwargs))
             out = getattr(steps, name)(*args, **kwargs)
             self.calls += 1
-            if name == KEPT:
-                for leaf in jax.tree_util.tree_leaves(out):
+            if name in KEPT:
+                for leaf in jax.tree_util.tree_leaves(KEPT[name](out)):
                     self._keep(leaf)
             return out
 
@@ -362,8 +364,8 @@ class Follower:
         self.calls += 1
         new = _new_state(out)
         self.state = self.state if new is None else new
-        if name == KEPT:
-            for leaf in jax.tree_util.tree_leaves(out):
+        if name in KEPT:
+            for leaf in jax.tree_util.tree_leaves(KEPT[name](out)):
                 self.handles[self._numbered] = leaf
                 self._numbered += 1
 

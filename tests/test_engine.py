@@ -16,7 +16,7 @@ from engine_helpers import ENGINE_KW, SLOTS, TIMEOUT, cold, collect, covered, en
 
 import hybridjax.engine_steps as engine_steps
 from hybridjax.default_model import tiny_test_model
-from hybridjax.engine import Engine, GenerationRequest, QueueFull
+from hybridjax.engine import Engine, GenerationRequest, QueueFull, RequestHandle
 from hybridjax.prefix_cache import SnapshotStore
 
 
@@ -102,6 +102,40 @@ def test_an_exact_repeat_costs_no_prefill(engine):
     assert more.token_ids == cold(cont, 4)
 
 
+def test_the_first_token_is_sent_before_the_prompt_snapshot_is_stored(engine, monkeypatch):
+    """The prompt's snapshot (its pages, the row's read, the store's insert) is not part of the time
+    to first token: the token is out before it is stored. A request that token ends (max_tokens=1)
+    still leaves it, and a repeat is an exact hit with the cold path's token."""
+    log = []
+    emit, insert = RequestHandle._emit, engine.store.insert
+
+    def logged_emit(handle, event):
+        if handle.request.namespace == "first":
+            log.append(("token", event.token_id) if event.finish_reason is None else ("finish", event.finish_reason))
+        emit(handle, event)
+
+    def logged_insert(tokens, *a, namespace="", kind="prompt", **k):
+        if namespace == "first":
+            log.append(("insert", kind, len(tokens)))
+        return insert(tokens, *a, namespace=namespace, kind=kind, **k)
+
+    monkeypatch.setattr(RequestHandle, "_emit", logged_emit)
+    monkeypatch.setattr(engine.store, "insert", logged_insert)
+    p = ids("Send first, then snapshot it")
+    r = run(engine, p, 1, namespace="first")
+    assert r.token_ids == cold(p, 1) and r.finish_reason == "length"
+    assert log[:3] == [("token", r.token_ids[0]), ("insert", "prompt", len(p)), ("finish", "length")]
+    before = prefilled(engine)
+    again = run(engine, p, 1, namespace="first")
+    assert again.cached_tokens == len(p) and prefilled(engine) == before and again.token_ids == r.token_ids
+
+    log.clear()
+    q = ids("Longer answer: first, snapshot")
+    r = run(engine, q, 3, namespace="first")
+    assert r.token_ids == cold(q, 3)
+    assert log.index(("token", r.token_ids[0])) < log.index(("insert", "prompt", len(q)))
+
+
 def test_a_response_ended_by_max_tokens_spends_no_step_after_its_last_token(engine):
     """The prefill draws the first token and each decode step one more; no step is spent feeding
     the last one (the next request, an exact repeat say, would wait for it on the device)."""
@@ -124,6 +158,25 @@ def test_a_prompt_diverging_in_the_middle_resumes_from_the_last_checkpoint(engin
         assert h.cached_tokens == diverge // 16 * 16, diverge
         assert prefilled(engine_ckpt) - before == len(b) - h.cached_tokens
         assert h.token_ids == cold(b, 6), diverge
+
+
+def test_a_snapshot_at_a_prefill_calls_end_takes_the_row_from_that_call(engine_ckpt, monkeypatch):
+    """Checkpoint and prompt snapshots take the row's state from the prefill call that ends there:
+    no row read of their own (a call that cost the host ~0.6 ms after a long prefill on CPU); only
+    the response's snapshot reads the row. Prompts resuming from them equal the cold path."""
+    reads = []
+    read_row = engine_ckpt.calls.read_row
+    monkeypatch.setattr(engine_ckpt.calls, "read_row", lambda *a: reads.append(a[1]) or read_row(*a))
+    a = ids("Rows read by the call, 16 a time")
+    assert len(a) == 32
+    r = run(engine_ckpt, a, 3, namespace="reads")
+    assert r.token_ids == cold(a, 3) and len(reads) == 1  # the response's snapshot
+    assert engine_ckpt.store.lookup(a[:16], namespace="reads").snapshot.kind == "checkpoint"
+    b = a[:20] + enc("! new tail")
+    h = run(engine_ckpt, b, 4, namespace="reads")
+    assert h.cached_tokens == 16 and h.token_ids == cold(b, 4)
+    again = run(engine_ckpt, a, 4, namespace="reads")
+    assert again.cached_tokens == len(a) and again.token_ids == cold(a, 4)
 
 
 # --- batching -------------------------------------------------------------------------------
@@ -269,7 +322,8 @@ def test_a_failed_admission_fails_that_request_only(engine, monkeypatch):
     monkeypatch.setattr(engine.store, "insert", failing_insert)
     p = ids("Admission fails for this one")
     h = run(engine, p, 4)
-    assert h.finish_reason == "error" and h.token_ids == []
+    # the prompt's snapshot is stored after its first token is sent
+    assert h.finish_reason == "error" and h.token_ids == cold(p, 1)
     monkeypatch.setattr(engine.store, "insert", real)
     ok = run(engine, p, 4)
     assert ok.finish_reason == "length" and ok.token_ids == cold(p, 4) and ok.cached_tokens == 0
