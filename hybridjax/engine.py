@@ -218,6 +218,11 @@ class DeviceLoop:
         executable's first-run cost (0.1-0.4 s more on CPU) before any request would."""
         self.state = self.padding_run(shape, self.state)
 
+    @staticmethod
+    def padding_run_needs(shape: tuple) -> tuple[tuple, ...]:
+        """The other programs `padding_run(shape)` calls (a row read, for a set-up from a snapshot)."""
+        return (("read_row", 1, 0),) if shape[0] == "setup_row_snapshot" else ()
+
     def padding_run(self, shape: tuple, state):
         """`run_on_padding` on `state` (the engine's, or a scratch one of its shapes: the
         engine's first runs off its thread): returns the state after it."""
@@ -971,6 +976,8 @@ class Engine:
         """Start-up's `after`: a program just compiled or loaded runs once on the thread that made
         it: the preparing thread on the engine's own state (the loop does not run yet), a helper
         thread on a scratch state, so the first runs of a start take every core, not one."""
+        if not all(map(self.programs.has, self.loop.padding_run_needs(shape))):
+            return  # not yet: it runs with those start-up leaves unrun, once all exist
         if shape[0] == "score" or threading.current_thread() is preparer:
             self._first_run(shape)
         else:

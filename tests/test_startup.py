@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 _events: list[tuple[str, str]] = []
 _WATCHED = ("/jax/core/compile/backend_compile_duration", "/jax/core/compile/jaxpr_trace_duration")
 jax.monitoring.register_event_duration_secs_listener(
-    lambda event, *a, **k: _events.append((event, threading.current_thread().name)) if event in _WATCHED else None)
+    lambda event, *a, **k: _events.append((event, threading.current_thread().name, k.get("fun_name"))) if event in _WATCHED else None)
 
 
 def compiles_outside_the_compile_thread(since: int) -> list:
@@ -182,6 +182,20 @@ def test_without_room_for_a_scratch_state_first_runs_are_the_idle_loops(exe_dir,
         assert sorted(first_runs) == [(s, "hybridjax-engine") for s in made]
     finally:
         eng.stop()
+
+
+def test_a_set_up_from_a_snapshot_takes_its_first_run_once_the_row_read_exists(exe_dir):
+    """Start-up runs each program where it was made, but a set-up from a snapshot reads a row
+    first: made before the row read exists, it waits (else that read would compile live)."""
+    engine_programs.clear_registry()
+    eng = _engine(exe_dir)  # its programs load from the disk the tests above filled
+    runs, shape, read = _record_first_runs(eng), ("setup_row_snapshot", 1, 0), ("read_row", 1, 0)
+    eng.programs.ensure(shape)
+    eng._first_run_where_made(threading.current_thread(), shape)
+    assert runs == [] and not eng.programs.has(read)
+    eng.programs.ensure(read)
+    eng._first_run_where_made(threading.current_thread(), shape)
+    assert {s for s, _ in runs} == {read, shape} and eng.calls.live_compiles == 0
 
 
 def test_a_restart_loads_executables_without_tracing_or_compiling(exe_dir):
