@@ -111,7 +111,8 @@ class Compiles:
         self.urgent: list[threading.Thread] = []  # those compiling for a waiting request (`first`)
         self.startup: dict = {}  # how `prepare` went: seconds, programs loaded / compiled
 
-    def prepare(self, shapes: Sequence[tuple], progress: bool, after: Callable[[tuple], None] | None = None) -> float:
+    def prepare(self, shapes: Sequence[tuple], progress: bool,
+                after: Callable[[tuple], None] | None = None) -> float:
         """Have `shapes` compiled or loaded, several side by side (`engine_programs.StartUp`), one
         log line each (at INFO with `progress`: n/N, seconds, time left); `after(shape)` then, on
         the thread that made it (the engine: its first run). Returns the seconds."""

@@ -29,11 +29,12 @@ from hybridjax.prefix_cache import SnapshotStore
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Every trace and backend compile of this process, with the thread that did it.
-_events: list[tuple[str, str]] = []
+# Every trace and backend compile of this process, with the thread that did it and the function.
+_events: list[tuple[str, str, str | None]] = []  # (event, thread, function)
 _WATCHED = ("/jax/core/compile/backend_compile_duration", "/jax/core/compile/jaxpr_trace_duration")
 jax.monitoring.register_event_duration_secs_listener(
-    lambda event, *a, **k: _events.append((event, threading.current_thread().name, k.get("fun_name"))) if event in _WATCHED else None)
+    lambda event, *a, **k: _events.append((event, threading.current_thread().name, k.get("fun_name")))
+    if event in _WATCHED else None)
 
 
 def compiles_outside_the_compile_thread(since: int) -> list:
