@@ -626,6 +626,8 @@ class Engine:
         self._score_lock = threading.Lock()
         self._scratch: dict[int, object] = {}  # thread id -> its engine state for first runs off the loop
         state = self._fresh_state()
+        self._runs_off_the_loop = first_runs_off_the_loop(  # decided once: start-up and behind agree
+            sum(x.nbytes for x in jax.tree_util.tree_leaves(state)))
         self.programs: programs.ProgramSet | None = None
         self.compiles: Compiles | None = None
         if calls is None:
@@ -815,7 +817,7 @@ class Engine:
             if self.compiles is None:
                 return self._warmup_by_running(progress)
             after = None
-            if first_runs_off_the_loop(self._fresh_state_bytes()):  # each runs once where it was made
+            if self._runs_off_the_loop:  # each runs once where it was made
                 after = functools.partial(self._first_run_where_made, threading.current_thread())
             try:
                 return self.compiles.prepare(shapes or self.shapes(), progress, after)
@@ -983,9 +985,6 @@ class Engine:
         else:
             self._first_run_on_scratch(shape)
 
-    def _fresh_state_bytes(self) -> int:
-        return sum(x.nbytes for x in jax.tree_util.tree_leaves(self.loop.state))
-
     def _unrun_program(self) -> tuple | None:
         """A program the loop may run that exists and has never run (None: none, calls that are
         not executables, or first runs made off the loop's thread)."""
@@ -1030,7 +1029,7 @@ class Engine:
         self.startup["first_runs_s"] = time.perf_counter() - t1
         if all(map(has, self.covering_shapes())):  # from now on the loop runs only what exists
             self.loop.has = self.calls.has  # (a warm-up the caller replaced: no, it compiles as it goes)
-            if first_runs_off_the_loop(self._fresh_state_bytes()):  # and only what has run once
+            if self._runs_off_the_loop:  # and only what has run once
                 self.calls.warm = set(self.calls.ran)
         # Programs present but never run go behind too: their first run is made there.
         rest = [s for s in self.background_shapes() if not has(s) or s not in self.calls.ran]
