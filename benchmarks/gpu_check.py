@@ -456,13 +456,20 @@ def run(out_dir: Path, dry: bool, skip: set[str]) -> dict:
             except Exception as e:  # noqa: BLE001
                 res["notes"].append(f"mosaic check: {type(e).__name__}: {str(e)[:300]}")
         res[name] = value
-    res["seconds"] = time.perf_counter() - t0
+        save(res, out_dir, time.perf_counter() - t0)  # each section as it ends: a run cut short keeps them
+    table = save(res, out_dir, time.perf_counter() - t0)
+    print(table)
+    return res
+
+
+def save(res: dict, out_dir: Path, seconds: float) -> str:
+    """Write gpu_check.json and gpu_check.md of what has run so far; returns the table."""
+    res["seconds"] = seconds
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "gpu_check.json").write_text(json.dumps(res, indent=1))
     table = markdown(res)
     (out_dir / "gpu_check.md").write_text(table)
-    print(table)
-    return res
+    return table
 
 
 def main(argv=None) -> int:
