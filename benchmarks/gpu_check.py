@@ -212,34 +212,51 @@ def check_mosaic(sz: Sizes) -> list[dict]:
     return [_row("delta rule forward (mosaic)", "fast", got, _gdr_reference(*upcast(args)))]
 
 
+def _checked(kernel: str, policy: str, check) -> dict:
+    """One kernel's row from `check()` -> (got, want); a kernel that fails to compile or run is a
+    failed row with its reason, and the other kernels still run."""
+    try:
+        row = _row(kernel, policy, *check())
+    except Exception as e:  # noqa: BLE001 - one broken kernel must not hide the others' figures
+        row = {"kernel": kernel, "policy": policy, "error": None, "tolerance": TOL[policy], "ok": False,
+               "failure": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+    log(f"{kernel:32s} {policy:5s} error {_num(row['error'], '.2e')} (tolerance {row['tolerance']:.0e})"
+        f" {'ok' if row['ok'] else 'FAIL ' + row.get('failure', '')}")
+    return row
+
+
 def check_kernels(sz: Sizes) -> list[dict]:
     rows = []
     for policy, dtype in (("exact", jnp.float32), ("fast", jnp.bfloat16)):
         d = sz.gdr
         args = gdr_inputs(d["B"], d["T"], d["Hk"], d["Hv"], d["K"], d["V"], dtype)
-        want = _gdr_reference(*upcast(args))
-        rows.append(_row("delta rule forward (chunked)", policy, _gdr_pallas(policy)(*args), want))
         dec = tuple(x[:, :1] if i < 5 else x for i, x in enumerate(args))  # T = 1: the decode kernel
-        rows.append(_row("delta rule decode (T=1)", policy, _gdr_pallas(policy)(*dec), _gdr_reference(*upcast(dec))))
         short = tuple(x[:, : sz.gdr_grad_T] if i < 5 else x for i, x in enumerate(args))
-        got = _gdr_loss(lambda *a: chunk_gated_delta_rule(*a[:5], initial_state=a[5], implementation="pallas",
-                                                          precision=policy))(*short)
-        rows.append(_row("delta rule backward", policy, got, _gdr_loss(_gdr_reference)(*upcast(short))))
-        p = sz.paged
+        p, m = sz.paged, sz.gmm
         pa = paged_inputs(p["B"], p["Hq"], p["Hkv"], p["Dh"], p["S"], p["context"], dtype)
-        got = jax.jit(lambda *a: paged_attention(*a, implementation="pallas"))(*pa)
-        with jax.default_matmul_precision("highest"):
-            want = jax.jit(lambda *a: paged_attention_reference(*a, scale=p["Dh"] ** -0.5))(*upcast(pa[:3]), *pa[3:])
-        rows.append(_row("paged attention decode", policy, got, want))
-        m = sz.gmm
         x, w, sizes = gmm_inputs(m["M"], m["K"], m["N"], m["groups"], dtype)
-        got = jax.jit(lambda x, w, s: grouped_matmul(x, w, s, implementation="pallas"))(x, w, sizes)
-        with jax.default_matmul_precision("highest"):
-            want = jax.jit(gmm_reference)(*upcast((x, w)), sizes)
-        rows.append(_row("grouped matmul", policy, got, want))
-        for r in rows[-5:]:
-            log(f"{r['kernel']:32s} {policy:5s} error {r['error']:.2e} (tolerance {r['tolerance']:.0e})"
-                f" {'ok' if r['ok'] else 'FAIL'}")
+
+        def paged_reference():
+            with jax.default_matmul_precision("highest"):
+                return jax.jit(lambda *a: paged_attention_reference(*a, scale=p["Dh"] ** -0.5))(*upcast(pa[:3]), *pa[3:])
+
+        def gmm_want():
+            with jax.default_matmul_precision("highest"):
+                return jax.jit(gmm_reference)(*upcast((x, w)), sizes)
+
+        checks = {
+            "delta rule forward (chunked)": lambda: (_gdr_pallas(policy)(*args), _gdr_reference(*upcast(args))),
+            "delta rule decode (T=1)": lambda: (_gdr_pallas(policy)(*dec), _gdr_reference(*upcast(dec))),
+            "delta rule backward": lambda: (
+                _gdr_loss(lambda *a: chunk_gated_delta_rule(*a[:5], initial_state=a[5], implementation="pallas",
+                                                            precision=policy))(*short),
+                _gdr_loss(_gdr_reference)(*upcast(short))),
+            "paged attention decode": lambda: (
+                jax.jit(lambda *a: paged_attention(*a, implementation="pallas"))(*pa), paged_reference()),
+            "grouped matmul": lambda: (
+                jax.jit(lambda x, w, s: grouped_matmul(x, w, s, implementation="pallas"))(x, w, sizes), gmm_want()),
+        }
+        rows += [_checked(kernel, policy, check) for kernel, check in checks.items()]
     return rows
 
 
@@ -314,7 +331,7 @@ def time_kernels(sz: Sizes, dry: bool) -> tuple[list[dict], list[str]]:
 
 # ---- the model: generate and the serving engine -----------------------------------------------
 
-def _model(sz: Sizes):
+def _model(sz: Sizes, dtype=jnp.bfloat16):
     from hybridjax.config import config_from_dict
     from hybridjax.default_model import tiny_test_model
     from hybridjax.params import init_params
@@ -323,19 +340,19 @@ def _model(sz: Sizes):
         cfg, params, _ = tiny_test_model()
         return cfg, params
     cfg = config_from_dict(sz.model)
-    return cfg, init_params(jax.random.PRNGKey(0), cfg, dtype=jnp.bfloat16)
+    return cfg, init_params(jax.random.PRNGKey(0), cfg, dtype=dtype)
 
 
 def _prompt(rng, n, vocab):
     return rng.integers(3, min(vocab, 30000) - 3, n).tolist()
 
 
-def model_figures(sz: Sizes) -> dict:
+def model_figures(sz: Sizes, dtype=jnp.bfloat16) -> dict:
     from hybridjax.engine import Engine, GenerationRequest
-    from hybridjax.generate import generate
+    from hybridjax.generate import generate, stream
     from hybridjax.prefix_cache import SnapshotStore
 
-    cfg, params = _model(sz)
+    cfg, params = _model(sz, dtype)
     n_params = sum(x.size for x in jax.tree.leaves(params))
     rng = np.random.default_rng(0)
     max_len = sz.prefill_T + sz.decode_N + 64
@@ -344,23 +361,29 @@ def model_figures(sz: Sizes) -> dict:
         g = generate(params, cfg, [prompt], max_new_tokens=n, max_len=max_len, stop_ids=())
         return ready(g.tokens)
 
+    def streamed(prompt, n):  # one program per token, each token read on the host (as the engine)
+        return list(stream(params, cfg, prompt, max_new_tokens=n, max_len=max_len, stop_ids=()))
+
     prompt = _prompt(rng, sz.prefill_T, cfg.vocab_size)
     t_prefill = timed(lambda: gen(prompt, 1), sz.repeats)
     t_full = timed(lambda: gen(prompt, sz.decode_N), sz.repeats)
+    t_stream_1, t_stream = timed(lambda: streamed(prompt, 1), sz.repeats), timed(lambda: streamed(prompt, sz.decode_N), 1)
     out = {"params": int(n_params), "dtype": str(params.embed.dtype),
            "prefill_tokens": sz.prefill_T, "prefill_tok_s": sz.prefill_T / t_prefill,
            "decode_tokens": sz.decode_N,
-           "decode_tok_s": (sz.decode_N - 1) / (t_full - t_prefill) if t_full > t_prefill else None}
-    log(f"generate: prefill {out['prefill_tok_s']:.0f} tok/s, decode {_num(out['decode_tok_s'], '.1f')} tok/s")
+           "decode_tok_s": (sz.decode_N - 1) / (t_full - t_prefill) if t_full > t_prefill else None,
+           "stream_decode_tok_s": (sz.decode_N - 1) / (t_stream - t_stream_1) if t_stream > t_stream_1 else None}
+    log(f"generate: prefill {out['prefill_tok_s']:.0f} tok/s, decode {_num(out['decode_tok_s'], '.1f')} tok/s;"
+        f" stream decode {_num(out['stream_decode_tok_s'], '.1f')} tok/s")
 
     chat_len = sz.chat_T + 2 * sz.turn2_new + 64
     eng = Engine(cfg, params, None, store=SnapshotStore("gpu-check"), slots=4, max_len=chat_len,
                  prefill_chunk=256 if sz.model else 32).start()
     try:
-        def ask(ids, n):
+        def ask(ids, n, namespace=""):
             """(seconds to the first token, seconds for the rest, the answer's token ids)."""
             t0 = time.perf_counter()
-            handle = eng.submit(GenerationRequest(list(ids), max_tokens=n))
+            handle = eng.submit(GenerationRequest(list(ids), max_tokens=n, namespace=namespace))
             first = None
             for event in handle.events(timeout=600):
                 if first is None:
@@ -370,17 +393,24 @@ def model_figures(sz: Sizes) -> dict:
         def conversation():
             turn1 = _prompt(rng, sz.chat_T, cfg.vocab_size)
             ttft_cold, rest, answer = ask(turn1, sz.turn2_new)
-            ttft_turn2, _, _ = ask(turn1 + answer + _prompt(rng, sz.turn2_new, cfg.vocab_size), sz.turn2_new)
-            return ttft_cold, ttft_turn2, (len(answer) - 1) / max(rest, 1e-9)
+            turn2 = turn1 + answer + _prompt(rng, sz.turn2_new, cfg.vocab_size)
+            ttft_turn2, _, answer2 = ask(turn2, sz.turn2_new)
+            return ttft_cold, ttft_turn2, (len(answer) - 1) / max(rest, 1e-9), turn2, answer2
 
         conversation()  # the same shapes with other tokens: compiles every step the figures use
-        ttft_cold, ttft_turn2, engine_decode = conversation()
+        ttft_cold, ttft_turn2, engine_decode, turn2, answer2 = conversation()
+        # Turn 2 again in a namespace of its own: no snapshot, the cold path. Greedy answers of a hit
+        # and of the cold path agree token for token on CPU (tests); here: how far they agree.
+        _, _, cold2 = ask(turn2, sz.turn2_new, namespace="cold")
     finally:
         eng.stop()
+    same = next((i for i, (a, b) in enumerate(zip(answer2, cold2)) if a != b), min(len(answer2), len(cold2)))
     out.update({"chat_prompt_tokens": sz.chat_T, "turn2_new_tokens": sz.turn2_new,
                 "ttft_cold_s": ttft_cold, "ttft_turn2_s": ttft_turn2,
-                "engine_decode_tok_s": engine_decode})
-    log(f"engine: TTFT cold {ttft_cold:.3f} s, turn 2 {ttft_turn2:.3f} s")
+                "engine_decode_tok_s": engine_decode,
+                "turn2_hit_equals_cold_tokens": same, "turn2_answer_tokens": len(answer2)})
+    log(f"engine: TTFT cold {ttft_cold:.3f} s, turn 2 {ttft_turn2:.3f} s, decode {engine_decode:.1f} tok/s;"
+        f" turn 2 from the snapshot equals the cold path for {same}/{len(answer2)} tokens")
     return out
 
 
@@ -403,8 +433,8 @@ def markdown(res: dict) -> str:
              f" {res['seconds']:.0f} s", ""]
     if res.get("kernels"):
         lines += ["| kernel | policy | error | tolerance | ok |", "|---|---|---:|---:|---|"]
-        lines += [f"| {r['kernel']} | {r['policy']} | {r['error']:.2e} | {r['tolerance']:.0e} |"
-                  f" {'ok' if r['ok'] else '**FAIL**'} |" for r in res["kernels"]]
+        lines += [f"| {r['kernel']} | {r['policy']} | {_num(r['error'], '.2e')} | {r['tolerance']:.0e} |"
+                  f" {'ok' if r['ok'] else '**FAIL** ' + r.get('failure', '')} |" for r in res["kernels"]]
         lines.append("")
     if res.get("timing"):
         cols = ("pallas", "mosaic", "xla", "fla")
@@ -424,19 +454,25 @@ def markdown(res: dict) -> str:
                   f"| generate decode, {m['decode_tokens']} tokens | {_num(m['decode_tok_s'], '.1f')} tok/s |",
                   f"| engine TTFT cold, {m['chat_prompt_tokens']}-token prompt | {m['ttft_cold_s'] * 1e3:.1f} ms |",
                   f"| engine TTFT turn 2 (+{m['turn2_new_tokens']} tokens) | {m['ttft_turn2_s'] * 1e3:.1f} ms |",
-                  f"| engine decode | {m['engine_decode_tok_s']:.1f} tok/s |", ""]
+                  f"| engine decode | {m['engine_decode_tok_s']:.1f} tok/s |"]
+        if "stream_decode_tok_s" in m:
+            lines.append(f"| `stream` decode (a program and a host read per token) | {_num(m['stream_decode_tok_s'], '.1f')} tok/s |")
+        if "turn2_hit_equals_cold_tokens" in m:
+            lines.append(f"| turn 2 from the snapshot = cold path, leading tokens | {m['turn2_hit_equals_cold_tokens']}"
+                         f" / {m['turn2_answer_tokens']} |")
+        lines.append("")
     lines += [f"- {n}" for n in res["notes"]]
     return "\n".join(lines).rstrip() + "\n"
 
 
-def run(out_dir: Path, dry: bool, skip: set[str]) -> dict:
+def run(out_dir: Path, dry: bool, skip: set[str], model_dtype=jnp.bfloat16) -> dict:
     sz = DRY if dry else FULL
     t0 = time.perf_counter()
     res = {"dry_run": dry, "environment": environment(), "notes": []}
     if not dry and res["environment"]["backend"] != "gpu":
         res["notes"].append(f"no GPU: running on {res['environment']['backend']} (Pallas interpreted)")
     for name, fn in (("kernels", lambda: check_kernels(sz)), ("timing", lambda: time_kernels(sz, dry)),
-                     ("model", lambda: model_figures(sz))):
+                     ("model", lambda: model_figures(sz, model_dtype))):
         if name in skip:
             continue
         log(f"-- {name}")
@@ -477,13 +513,16 @@ def main(argv=None) -> int:
     ap.add_argument("out_dir", type=Path, help="folder for gpu_check.json and gpu_check.md")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, Pallas interpreted (CI)")
     ap.add_argument("--skip", default="", help=f"comma-separated sections to skip: {','.join(SECTIONS)}")
+    ap.add_argument("--model-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                    help="the model section's weights (float32 with JAX_DEFAULT_MATMUL_PRECISION=highest"
+                         " separates a numerical difference from a wrong one)")
     a = ap.parse_args(argv)
     skip = {s for s in a.skip.split(",") if s}
     if skip - set(SECTIONS):
         ap.error(f"unknown section(s) {sorted(skip - set(SECTIONS))}; choose from {','.join(SECTIONS)}")
     if a.dry_run:
         jax.config.update("jax_platforms", "cpu")
-    res = run(a.out_dir, a.dry_run, skip)
+    res = run(a.out_dir, a.dry_run, skip, jnp.dtype(a.model_dtype))
     failed = [r for r in res.get("kernels", []) if not r["ok"]] or any(k.endswith("_error") for k in res)
     return 1 if failed else 0
 

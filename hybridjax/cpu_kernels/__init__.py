@@ -133,7 +133,8 @@ def enabled() -> bool:
     if os.environ.get("HYBRIDJAX_CPU_KERNELS", "1").strip().lower() in ("0", "false", "off", "no"):
         return False
     if not available():
-        warn_unavailable()
+        if jax.default_backend() == "cpu":  # on a GPU host the warning would only puzzle
+            warn_unavailable()
         return False
     return True
 

@@ -66,7 +66,10 @@ def _kernel(start_ref, count_ref, group_ref, x_ref, w_ref, o_ref, *, bm, bk, bn,
             xb, wb = xb.astype(f32), wb.astype(f32)
         return acc + jax.lax.dot_general(xb, wb, dims, precision=precision, preferred_element_type=f32)
 
-    acc = jax.lax.fori_loop(0, jnp.where(count > 0, k // bk, 0), body, jnp.zeros((bm, bn), f32))
+    # An empty tile runs no step. (Not `jnp.where(count > 0, k // bk, 0)`: Pallas's Triton lowering
+    # made that bound an i1, which XLA's Triton rejects on the GPU; JAX 0.11.2, H200.)
+    steps = jnp.minimum(count, 1) * (k // bk)
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), f32))
     mask = (jax.lax.broadcasted_iota(jnp.int32, (bm, bn), 0) < count)
     plt.store(o_ref.at[pl.ds(start, bm), pl.ds(j * bn, bn)], acc, mask=mask)
 
