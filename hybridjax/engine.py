@@ -956,7 +956,8 @@ class Engine:
         if shape[0] == "score":
             self._first_run(shape)
         elif self.calls.warm is not None:
-            self._first_run_on_scratch(shape)
+            if shape not in self.calls.ran:  # (a request may have run a prefill first: `CompiledCalls.has`)
+                self._first_run_on_scratch(shape)
             self.calls.warm.add(shape)
         if not self.compiles.queue:  # the last program behind
             self._scratch.pop(threading.get_ident(), None)
