@@ -26,6 +26,7 @@ import platform
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -389,18 +390,16 @@ class CompiledCalls:
         self.live_compiles = 0  # calls that found no executable (the jitted step compiles once per shape)
         self.ran: set[tuple] = set()  # shapes whose executable has run (on CPU a first run costs 0.1-0.4 s more)
         # With first runs off the engine thread (`Engine`): the shapes whose first run has ended, the
-        # only ones the loop may run but prefills (`has`). None: any shape whose executable exists.
+        # only ones the loop may run but those `eager` names. None: any shape whose executable exists.
         self.warm: set[tuple] | None = None
+        self.eager: Callable[[tuple], bool] = lambda shape: False
         self._missing: set[tuple] = set()
         self.init_state, self.read_pages, self.write_pages = steps.init_state, steps.read_pages, steps.write_pages
 
     def has(self, shape: tuple) -> bool:
-        """The loop may run `shape`: its executable exists (and, with `warm`, has run once). A
-        prefill need only exist: its first run off the loop is a whole forward of its width (seconds
-        for 256 tokens of a 0.23B model, at low priority beside the requests), and meanwhile a long
-        prompt would go in 16-token chunks, which costs more than the 0.1-0.4 s a first run adds
-        (bench_startup: a first long prompt after a warm restart 2.70x the later ones)."""
-        if self.warm is None or shape[0] == "prefill":
+        """The loop may run `shape`: its executable exists (and, with `warm`, has run once, unless
+        `eager(shape)`: one whose first run off the loop takes long, `Engine` says which)."""
+        if self.warm is None or self.eager(shape):
             return self.programs.has(shape)
         return shape in self.warm
 

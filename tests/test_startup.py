@@ -9,6 +9,7 @@ compared token for token with the cold path (`generate` from scratch, greedy).
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
@@ -22,6 +23,7 @@ import jax
 import pytest
 from engine_helpers import ENGINE_KW, cold, collect, enc, ids, run
 
+from hybridjax import engine as engine_module
 from hybridjax import engine_programs
 from hybridjax.default_model import tiny_test_model
 from hybridjax.engine import Engine, GenerationRequest
@@ -134,14 +136,12 @@ def test_serves_on_the_covering_set_and_never_compiles_live(exe_dir):
         eng._compiler.join(600)
         assert eng.programs.has(("decode", 1, 1)) and eng.programs.has(("prefill", 1, 32))
         # a program made behind runs once on the compiling thread, on a scratch state, before the
-        # loop may run it: no request waits for a first run, not even behind the loop's own. A
-        # prefill may be run first by a request (it need only exist: `CompiledCalls.has`).
+        # loop may run it: no request waits for a first run, not even behind the loop's own (this
+        # model's prefills are all narrow enough: `runs_before_its_first_run`)
         assert eng.calls.warm is not None and eng._scratch == {}  # dropped with the last program
         assert eng.calls.unrun([("decode", 1, 1), ("prefill", 1, 32), ("prefill", 2, 16)]) == []
         made = {("decode", 1, 1), ("prefill", 1, 32), ("prefill", 2, 16)}
-        assert made <= {s for s, _ in first_runs}
-        assert dict(first_runs)[("decode", 1, 1)] == "hybridjax-compile"
-        assert {t for s, t in first_runs if s in made} <= {"hybridjax-compile", "hybridjax-engine"}
+        assert {t for s, t in first_runs if s in made} == {"hybridjax-compile"} and made <= {s for s, _ in first_runs}
         assert ("score", 1, 256) in eng.calls.ran  # a scorer ran once as it was made (the mix scores in 16s)
         _serve_a_mix(eng, refs, long_ref)  # on the new buckets: the same tokens
         assert compiles_outside_the_compile_thread(before) == [] and eng.calls.live_compiles == 0
@@ -165,8 +165,6 @@ def _record_first_runs(eng: Engine) -> list:
 def test_without_room_for_a_scratch_state_first_runs_are_the_idle_loops(exe_dir, monkeypatch):
     """Where a second engine state does not fit (or off CPU), a program made behind runs once on
     the loop while it idles, and the loop may run it as soon as it exists."""
-    import hybridjax.engine as engine_module
-
     monkeypatch.setattr(engine_module, "first_runs_off_the_loop", lambda state_bytes: False)
     engine_programs.clear_registry()  # programs of its own, loaded from disk (none has run)
     eng = _engine(exe_dir)
@@ -331,21 +329,27 @@ def test_start_up_compiles_side_by_side_the_costliest_first(tmp_path):
     assert none.done == 0 and not none.programs.has(("decode", 2, 1))
 
 
-def test_the_loop_may_run_a_prefill_before_its_first_run_but_no_other_step():
-    # With first runs off the loop, a step program waits for its first run before the loop may run
-    # it (a decode pads to a larger bucket meanwhile), but a prefill need only exist: without it a
-    # long prompt goes in 16-token chunks (a 2.70x first long prompt after a warm restart).
+def test_the_loop_may_run_a_wide_prefill_before_its_first_run_but_no_other_step():
+    # With first runs off the loop, a program waits for its first run before the loop may run it (a
+    # decode pads to a larger bucket meanwhile, a prompt takes narrower chunks), but a prefill whose
+    # run is a long forward need only exist: else a long prompt goes in 16-token chunks while that
+    # forward runs at low priority (a 2.70x first long prompt after a warm restart, 0.23B model).
+    eager = engine_module.runs_before_its_first_run
+    assert eager(230_000_000, ("prefill", 1, 64)) and eager(230_000_000, ("prefill", 4, 64))
+    assert not eager(230_000_000, ("prefill", 1, 16)) and not eager(230_000_000, ("decode", 4, 1))
+    assert not eager(8_900_000, ("prefill", 1, 256))  # the default model: a 256-token call is short
     ps = _small_programs()
     calls = engine_programs.CompiledCalls(ps)
     calls.warm = set()
-    prefill, decode = ("prefill", 3, 5), ("decode", 3, 1)
-    assert not calls.has(prefill) and not calls.has(decode)  # neither exists yet
-    engine_programs.StartUp(ps, [prefill, decode], threads=1).run(threading.Event())
-    assert calls.has(prefill) and not calls.has(decode)
-    calls.warm.add(decode)  # its first run has ended
-    assert calls.has(decode)
+    calls.eager = functools.partial(eager, 230_000_000)
+    wide, narrow, decode = ("prefill", 1, 128), ("prefill", 1, 16), ("decode", 3, 1)
+    assert not any(map(calls.has, (wide, narrow, decode)))  # none exists yet
+    engine_programs.StartUp(ps, [wide, narrow, decode], threads=1).run(threading.Event())
+    assert calls.has(wide) and not calls.has(narrow) and not calls.has(decode)
+    calls.warm |= {narrow, decode}  # their first runs have ended
+    assert calls.has(narrow) and calls.has(decode)
     calls.warm = None  # first runs on the loop: whatever exists
-    assert calls.has(prefill) and calls.has(decode)
+    assert all(map(calls.has, (wide, narrow, decode)))
 
 
 def test_one_shape_asked_for_by_two_threads_compiles_once():
