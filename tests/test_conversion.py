@@ -434,3 +434,16 @@ def test_failure_midway_leaves_nothing(hf_dirs, converted, tmp_path, monkeypatch
     assert main(["--hf-dir", str(hf_dirs["qwen3_5_dense"]), "--out", str(tmp_path / "ck"), "--quiet"]) == 1
     assert "Input/output error" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # neither output nor staging directory
+
+
+@pytest.mark.parametrize("shape", [(3072, 1024), (1000, 1500), (2049, 777), (10, 20), (4, 5, 6)])
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_transposed_is_numpys_transpose(shape, dtype):
+    # The tiled, threaded copy that loading uses for every nn.Linear weight: bit for bit x.T, for
+    # sizes that are not whole tiles or whole thread bands, and the small / n-d fallback.
+    from hybridjax.conversion.names import transposed
+
+    x = np.random.default_rng(0).standard_normal(shape).astype(dtype)
+    got = transposed(x)
+    assert got.flags.c_contiguous and got.dtype == x.dtype
+    np.testing.assert_array_equal(got, x.T)
