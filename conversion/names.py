@@ -56,7 +56,8 @@ def transposed(x: np.ndarray) -> np.ndarray:
             for j in range(0, rows, _TILE):
                 out[i:i + _TILE, j:j + _TILE] = x[j:j + _TILE, i:i + _TILE].T
 
-    threads = max(1, min(len(os.sched_getaffinity(0)), 8))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, min(cores, 8))
     per_thread = -(-cols // threads // _TILE) * _TILE
     list(_pool(threads).map(band, range(0, cols, per_thread)))
     return out

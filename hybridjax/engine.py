@@ -647,9 +647,8 @@ class Engine:
         self.compiles: Compiles | None = None
         if calls is None:
             self.programs = self._program_set(executable_dir, state)
-            self.calls = programs.CompiledCalls(self.programs)
-            self.calls.eager = functools.partial(runs_before_its_first_run,
-                                                 sum(x.size for x in jax.tree_util.tree_leaves(params)))
+            n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
+            self.calls = programs.CompiledCalls(self.programs, functools.partial(runs_before_its_first_run, n_params))
             self.compiles = Compiles(self.programs, self._cancel, made=self._program_made)
         self.loop = DeviceLoop(cfg, params, tokenizer, self.calls, self.sched, self.programs_of, state, store=store,
                                counters=self.counters, speculative_tokens=speculative_tokens,

@@ -385,14 +385,13 @@ class CompiledCalls:
     """The engine's calls (`Engine(calls=...)`), each served by its shape's executable in
     `programs`; a shape without one runs the jitted step (compiling: `live_compiles` counts it)."""
 
-    def __init__(self, programs: ProgramSet):
-        self.programs = programs
+    def __init__(self, programs: ProgramSet, eager: Callable[[tuple], bool] = lambda shape: False):
+        self.programs, self.eager = programs, eager
         self.live_compiles = 0  # calls that found no executable (the jitted step compiles once per shape)
         self.ran: set[tuple] = set()  # shapes whose executable has run (on CPU a first run costs 0.1-0.4 s more)
         # With first runs off the engine thread (`Engine`): the shapes whose first run has ended, the
         # only ones the loop may run but those `eager` names. None: any shape whose executable exists.
         self.warm: set[tuple] | None = None
-        self.eager: Callable[[tuple], bool] = lambda shape: False
         self._missing: set[tuple] = set()
         self.init_state, self.read_pages, self.write_pages = steps.init_state, steps.read_pages, steps.write_pages
 

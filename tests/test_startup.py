@@ -339,9 +339,8 @@ def test_the_loop_may_run_a_wide_prefill_before_its_first_run_but_no_other_step(
     assert not eager(230_000_000, ("prefill", 1, 16)) and not eager(230_000_000, ("decode", 4, 1))
     assert not eager(8_900_000, ("prefill", 1, 256))  # the default model: a 256-token call is short
     ps = _small_programs()
-    calls = engine_programs.CompiledCalls(ps)
+    calls = engine_programs.CompiledCalls(ps, functools.partial(eager, 230_000_000))
     calls.warm = set()
-    calls.eager = functools.partial(eager, 230_000_000)
     wide, narrow, decode = ("prefill", 1, 128), ("prefill", 1, 16), ("decode", 3, 1)
     assert not any(map(calls.has, (wide, narrow, decode)))  # none exists yet
     engine_programs.StartUp(ps, [wide, narrow, decode], threads=1).run(threading.Event())
