@@ -28,6 +28,8 @@ import hashlib
 import hmac
 import json
 import logging
+import signal
+import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -705,6 +707,38 @@ def _announce_when_serving(server, engine: Engine, name: str, host: str, port: i
                 return
 
 
+class _Interrupts:
+    """SIGINT and SIGTERM from before uvicorn takes them (building the engine) to after it hands
+    them back (it re-raises each into the handler it found), each noted as well as acted on
+    (KeyboardInterrupt; SystemExit(128 + 15)). Noted, because a KeyboardInterrupt raised while the
+    main thread runs a garbage-collection callback (jax's `_xla_gc_callback`) is printed and
+    swallowed: the server then started and served as if no signal had come (a Ctrl-C 0.5 s after
+    loading, 2 times in 8). `check` raises a noted one again, where nothing swallows it, and a
+    noted one tells a running `server` to exit."""
+
+    def __init__(self):
+        self.seen: list[int] = []
+        self.server = None
+        main = threading.current_thread() is threading.main_thread()  # (handlers: main thread only)
+        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+
+    def _handle(self, signum, frame) -> None:
+        self.seen.append(signum)
+        if self.server is not None:
+            self.server.should_exit = True
+        self.check()
+
+    def check(self) -> None:
+        if self.seen:
+            if self.seen[0] == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise SystemExit(128 + self.seen[0])
+
+    def restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
 def serve(sc: ServerConfig, cfg, params, tokenizer, name: str, calls=None, sock=None) -> int:
     """Run the server for a loaded model until interrupted (uvicorn); `calls`: see Engine;
     `sock`: a socket `bind` made (else one is bound here). Interrupted (SIGINT), it returns 130;
@@ -712,31 +746,40 @@ def serve(sc: ServerConfig, cfg, params, tokenizer, name: str, calls=None, sock=
     process that finalizes beside a running compile)."""
     import os
     import sys
-    import threading
 
     import uvicorn
 
     from hybridjax.server.connections import uvicorn_options
 
-    sock = sock or bind(sc.host, sc.port)
-    engine, _ = build_engine(sc, cfg, params, tokenizer, name, calls)
-    if sc.cache_dir:
-        Path(sc.cache_dir).mkdir(parents=True, exist_ok=True)
-    app = create_app(engine, name, api_key=sc.api_key, api_keys=sc.api_keys,
-                     cache_dir=sc.cache_dir if sc.prefix_cache else None, warmup=sc.warmup,
-                     max_body_bytes=sc.max_body_bytes, body_timeout_s=sc.body_timeout_s)
-    server = uvicorn.Server(uvicorn.Config(app, **uvicorn_options(sc), log_level="info", timeout_graceful_shutdown=5))
-    threading.Thread(target=_announce_when_serving, args=(server, engine, name, sc.host, sc.port),
-                     name="hybridjax-announce", daemon=True).start()
-    code = 0
+    interrupts = _Interrupts()
     try:
-        server.run(sockets=[sock])
-    except KeyboardInterrupt:
-        code = 130
-        raise
+        sock = sock or bind(sc.host, sc.port)
+        engine, _ = build_engine(sc, cfg, params, tokenizer, name, calls)
+        if sc.cache_dir:
+            Path(sc.cache_dir).mkdir(parents=True, exist_ok=True)
+        app = create_app(engine, name, api_key=sc.api_key, api_keys=sc.api_keys,
+                         cache_dir=sc.cache_dir if sc.prefix_cache else None, warmup=sc.warmup,
+                         max_body_bytes=sc.max_body_bytes, body_timeout_s=sc.body_timeout_s)
+        server = interrupts.server = uvicorn.Server(
+            uvicorn.Config(app, **uvicorn_options(sc), log_level="info", timeout_graceful_shutdown=5))
+        threading.Thread(target=_announce_when_serving, args=(server, engine, name, sc.host, sc.port),
+                         name="hybridjax-announce", daemon=True).start()
+        code = 0
+        try:
+            interrupts.check()  # one that came while the engine was built
+            server.run(sockets=[sock])
+            interrupts.check()  # one uvicorn handed back, if its raise was swallowed
+        except KeyboardInterrupt:
+            code = 130
+            raise
+        except SystemExit as e:
+            code = e.code
+            raise
+        finally:
+            if engine.compiling:
+                logging.shutdown()
+                sys.stderr.flush()
+                os._exit(code)
+        return code
     finally:
-        if engine.compiling:
-            logging.shutdown()
-            sys.stderr.flush()
-            os._exit(code)
-    return code
+        interrupts.restore()
