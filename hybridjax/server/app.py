@@ -709,12 +709,13 @@ def _announce_when_serving(server, engine: Engine, name: str, host: str, port: i
 
 class _Interrupts:
     """SIGINT and SIGTERM from before uvicorn takes them (building the engine) to after it hands
-    them back (it re-raises each into the handler it found), each noted as well as acted on
-    (KeyboardInterrupt; SystemExit(128 + 15)). Noted, because a KeyboardInterrupt raised while the
-    main thread runs a garbage-collection callback (jax's `_xla_gc_callback`) is printed and
-    swallowed: the server then started and served as if no signal had come (a Ctrl-C 0.5 s after
-    loading, 2 times in 8). `check` raises a noted one again, where nothing swallows it, and a
-    noted one tells a running `server` to exit."""
+    them back (it re-raises each into the handler it found): noted, not raised, and acted on at
+    `check` (KeyboardInterrupt; SystemExit(128 + 15)) and by a running `server` (told to exit). Not
+    raised in the handler: Python runs it wherever the main thread is, and a KeyboardInterrupt
+    raised inside a garbage-collection callback (jax's `_xla_gc_callback`) is printed with a
+    traceback and swallowed, after which the server started and served as if no signal had come
+    (a Ctrl-C 0.5 s after loading, 2 times in 8). A Ctrl-C while the engine is built (about a
+    second) thus takes effect when it is built."""
 
     def __init__(self):
         self.seen: list[int] = []
@@ -726,7 +727,6 @@ class _Interrupts:
         self.seen.append(signum)
         if self.server is not None:
             self.server.should_exit = True
-        self.check()
 
     def check(self) -> None:
         if self.seen:
@@ -768,7 +768,7 @@ def serve(sc: ServerConfig, cfg, params, tokenizer, name: str, calls=None, sock=
         try:
             interrupts.check()  # one that came while the engine was built
             server.run(sockets=[sock])
-            interrupts.check()  # one uvicorn handed back, if its raise was swallowed
+            interrupts.check()  # one uvicorn handed back (re-raised into `_handle`)
         except KeyboardInterrupt:
             code = 130
             raise
