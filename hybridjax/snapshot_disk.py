@@ -285,17 +285,21 @@ class DiskTier:
                         "ignored, the %d records before it are kept", path, torn, max(len(records) - 1, 0))
         pages = {p.name for p in (self.root / "pages").iterdir()}
         states = {p.name for p in (self.root / "states").iterdir()}
-        missing, dead = 0, 0
+        dead = 0
         for r in records[1:]:
             if r.get("op") == "put":
                 e = DiskEntry.from_record(r)
                 self.index.remove(e.name)
-                if e.name in states and all(p.hex() in pages for p in e.pages):
-                    self.index.add(e)
-                else:
-                    missing += 1
+                self.index.add(e)
             elif r.get("op") == "del":
                 dead += 2 if self.index.remove(r["name"]) is not None else 1
+        # Files are checked for the records that survive the replay only: a put that a later del
+        # undid has rightly lost its files (the writer deletes them once the del is durable).
+        gone = [e.name for e in self.index.entries.values()
+                if e.name not in states or not all(p.hex() in pages for p in e.pages)]
+        for name in gone:
+            self.index.remove(name)
+        missing = len(gone)
         if missing:
             log.warning("prefix cache: %d snapshot records in %s name files that are gone; dropped", missing, path)
         self._collect(pages, states)
