@@ -268,3 +268,36 @@ def test_health_says_loading_until_the_engine_serves():
         release.set()
         assert engine.ready.wait(60)
         assert client.get("/health").json() == {"status": "ok"}
+
+
+def test_no_request_waits_for_fastapi_to_read_an_endpoints_source(monkeypatch):
+    """FastAPI looks up an endpoint's source lines (for its error messages) on the endpoint's first
+    request, tokenizing the whole function: ~5 ms on the first chat request, the first turn of an
+    agent's trace (issue 26). The app has it done before serving; no request reads source."""
+    import asyncio
+    import inspect
+
+    from hybridjax.server import app as app_mod
+
+    (cfg, params, tok), name = tiny_test_model(), TINY_NAME
+    engine, _ = build_engine(ServerConfig(slots=1, max_len=128), cfg, params, tok, name)  # never started
+    real, read = inspect.getsourcelines, []
+    monkeypatch.setattr(inspect, "getsourcelines", lambda obj: read.append(getattr(obj, "__name__", obj)) or real(obj))
+
+    async def first_requests(app) -> list[int]:
+        transport = httpx.ASGITransport(app=app)  # no lifespan: the engine stays down
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+            # A model this server does not serve: a 404 from the endpoint itself, after FastAPI's part.
+            bodies = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "x"}]},
+                      "/v1/completions": {"prompt": "x"}, "/v1/responses": {"input": "x"}}
+            return [(await client.post(path, json={"model": "none", **body})).status_code for path, body in bodies.items()]
+
+    app = create_app(engine, name, warmup=False)
+    read.clear()  # what create_app read before serving is what it is for
+    assert asyncio.run(first_requests(app)) == [404, 404, 404]
+    assert read == []
+    # The check can fail: an app that does not have it done reads each endpoint's source on its first request.
+    monkeypatch.setattr(app_mod, "_locate_endpoints_now", lambda app: None)
+    if getattr(__import__("fastapi.routing").routing, "_extract_endpoint_context", None) is not None:
+        assert asyncio.run(first_requests(create_app(engine, name, warmup=False))) == [404, 404, 404]
+        assert {"chat_completions", "completions"} <= set(read), read

@@ -677,7 +677,25 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
     async def metrics():
         return PlainTextResponse(render_metrics(engine), media_type="text/plain; version=0.0.4")
 
+    _locate_endpoints_now(app)
     return app
+
+
+def _locate_endpoints_now(app: FastAPI) -> None:
+    """Have FastAPI find each endpoint's source file and line now, not on its first request.
+    FastAPI (0.12x and later) looks them up for its error messages on an endpoint's first call,
+    where `inspect.getsourcelines` tokenizes the whole function: 4-5 ms for the chat endpoint, paid
+    by the first request of each kind (profiled: benchmarks/README.md). Its own function does it, so
+    the cache it keeps (by function) is the one requests read; a FastAPI without it has no such cost."""
+    import fastapi.routing
+
+    locate = getattr(fastapi.routing, "_extract_endpoint_context", None)
+    if locate is None:
+        return
+    for route in app.routes:
+        endpoint = getattr(getattr(route, "dependant", None), "call", None)
+        if endpoint is not None:
+            locate(endpoint)
 
 
 def _finish(reason: str | None) -> str | None:
