@@ -299,13 +299,12 @@ class DiskTier:
                 if e.name not in states or not all(p.hex() in pages for p in e.pages)]
         for name in gone:
             self.index.remove(name)
-        missing = len(gone)
-        if missing:
-            log.warning("prefix cache: %d snapshot records in %s name files that are gone; dropped", missing, path)
+        if gone:
+            log.warning("prefix cache: %d snapshot records in %s name files that are gone; dropped", len(gone), path)
         self._collect(pages, states)
         freed: list[Path] = []
         self._enforce_budget(freed)
-        if header is None or torn or missing or dead or freed:
+        if header is None or torn or gone or dead or freed:
             self._rewrite()  # the live records only; durable before the files its evictions free are deleted
         for f in freed:
             f.unlink(missing_ok=True)

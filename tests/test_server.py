@@ -277,6 +277,8 @@ def test_no_request_waits_for_fastapi_to_read_an_endpoints_source(monkeypatch):
     import asyncio
     import inspect
 
+    import fastapi.routing
+
     from hybridjax.server import app as app_mod
 
     (cfg, params, tok), name = tiny_test_model(), TINY_NAME
@@ -298,6 +300,6 @@ def test_no_request_waits_for_fastapi_to_read_an_endpoints_source(monkeypatch):
     assert read == []
     # The check can fail: an app that does not have it done reads each endpoint's source on its first request.
     monkeypatch.setattr(app_mod, "_locate_endpoints_now", lambda app: None)
-    if getattr(__import__("fastapi.routing").routing, "_extract_endpoint_context", None) is not None:
+    if hasattr(fastapi.routing, "_extract_endpoint_context"):
         assert asyncio.run(first_requests(create_app(engine, name, warmup=False))) == [404, 404, 404]
         assert {"chat_completions", "completions"} <= set(read), read
