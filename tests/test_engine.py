@@ -410,7 +410,9 @@ def test_snapshots_expire_on_a_timer_while_the_engine_is_idle(model):
         run(eng, ids("Expire me soon, please!!"), 2)
         assert len(store) > 0
         deadline = time.monotonic() + 30
-        while len(store) and time.monotonic() < deadline:  # no request arrives meanwhile
+        # No request arrives meanwhile. The engine thread drops an entry and then gives back its
+        # pages (under the store's lock, which len() does not take): wait for both.
+        while (len(store) or eng.pool.free < eng.pool.num_pages) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert len(store) == 0 and store.counters["evictions_ttl"] > 0
         assert eng.pool.free == eng.pool.num_pages  # their pages went back to the pool
