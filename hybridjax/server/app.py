@@ -683,7 +683,7 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, a
 
 def _locate_endpoints_now(app: FastAPI) -> None:
     """Have FastAPI find each endpoint's source file and line now, not on its first request.
-    FastAPI (0.12x and later) looks them up for its error messages on an endpoint's first call,
+    FastAPI (0.165 here; older versions not checked) looks them up for its error messages on an endpoint's first call,
     where `inspect.getsourcelines` tokenizes the whole function: 4-5 ms for the chat endpoint, paid
     by the first request of each kind (profiled: benchmarks/README.md). Its own function does it, so
     the cache it keeps (by function) is the one requests read; a FastAPI without it has no such cost."""
