@@ -883,10 +883,14 @@ class Engine:
 
     def _empty_score_cache(self):
         """An empty scoring cache of max_len positions (`generate.score_cache`), made from host zeros
-        (jnp.zeros would run a program each, and tracing its shapes would trace on the engine thread)."""
+        (jnp.zeros would run a program each, and tracing its shapes would trace on the engine thread),
+        committed to the device as the scoring programs' outputs are (lowered with the params'
+        shardings): a fresh cache and a reused one make one call signature."""
         from hybridjax.generate import score_cache
 
-        return jax.device_put(score_cache(self.cfg, self.max_len, self.params.embed.dtype, zeros=np.zeros))
+        devices = self.params.embed.devices()
+        return jax.device_put(score_cache(self.cfg, self.max_len, self.params.embed.dtype, zeros=np.zeros),
+                              next(iter(devices)) if len(devices) == 1 else None)
 
     def save_snapshots(self, directory) -> int:
         """Persist the snapshot store (its pages read from the pool). Call with the loop stopped."""

@@ -211,7 +211,11 @@ def score_in_pieces(params: Params, cfg: Config, prompt_ids: Sequence[int], sp, 
     Returns ((lp [n-1], ids [n-1, k], top_lp [n-1, k]) as numpy, cache)."""
     ids = np.asarray(prompt_ids, np.int32)
     n, widths = len(ids) - 1, sorted(scorers)  # the last token scores nothing
-    seen = np.zeros((cfg.vocab_size,), bool)
+    # Each piece passes `seen` on as a device array held as the cache is (the engine's: committed to
+    # its device): the first piece's is held so too, so that every call has one signature (a new
+    # one takes JAX's slow path once: 10-15 ms a call on the default model, the first echoes').
+    held = jax.tree_util.tree_leaves(cache)[0]
+    seen = jax.device_put(np.zeros((cfg.vocab_size,), bool), held.sharding if getattr(held, "committed", False) else None)
     pieces, start = [], 0
     while start < n:
         rest = n - start

@@ -263,7 +263,16 @@ def test_scoring_in_pieces_equals_one_forward():
 
     cfg, params, tok = tiny_test_model()
     capacity = 2 * SCORE_PAGE
-    scorers = {w: _score_piece.lower(params, *score_piece_inputs(params, cfg, w, capacity), cfg=cfg).compile()
+    signatures = set()  # (width, how each argument is held): one per program, the first piece's too
+
+    def recorded(scorer):  # (a second signature's first call takes JAX's slow path: 10-15 ms an echo)
+        def call(*args):
+            held = tuple((type(x).__name__, getattr(x, "committed", None)) for x in jax.tree_util.tree_leaves(args[1:]))
+            signatures.add((len(args[2]), held))
+            return scorer(*args)
+        return call
+
+    scorers = {w: recorded(_score_piece.lower(params, *score_piece_inputs(params, cfg, w, capacity), cfg=cfg).compile())
                for w in (8, 64)}
     cache = score_cache(cfg, capacity, params.embed.dtype)
     sp = sampling_params(1, temperature=0.7, repetition_penalty=1.3)
@@ -277,3 +286,4 @@ def test_scoring_in_pieces_equals_one_forward():
         assert max(abs(g[0] - w[0]) for g, w in zip(got, want)) < 1e-4
         for (_, g_alts), (_, w_alts) in zip(got, want):
             assert max(abs(a[1] - b[1]) for a, b in zip(g_alts, w_alts)) < 1e-4
+    assert sorted(w for w, _ in signatures) == [8, 64]
