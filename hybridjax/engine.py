@@ -1036,11 +1036,13 @@ class Engine:
             log.info("start-up: ready in %.1f s (compiled %d programs)", time.perf_counter() - t0, len(self.shapes()))
             return
         has, on_disk = self.programs.has, self.programs.on_disk
-        covering = [s for s in self.covering_shapes() if not has(s)]
-        kept = sum(map(on_disk, covering))
-        log.log(logging.INFO if progress else logging.DEBUG, "start-up: %d programs serve every request: %d kept on "
-                "disk, %d to compile on %d threads; the other %d follow once serving", len(covering), kept,
-                len(covering) - kept, programs.compile_threads(), len(self.background_shapes()))
+        covering = self.covering_shapes()
+        present = sum(map(has, covering))  # (loaded beside the weights: `engine_programs.preload`)
+        kept = sum(on_disk(s) for s in covering if not has(s))
+        log.log(logging.INFO if progress else logging.DEBUG, "start-up: %d programs serve every request: %s%d kept on "
+                "disk, %d to compile on %d threads; the other %d follow once serving", len(covering),
+                f"{present} in memory already, " if present else "", kept, len(covering) - present - kept,
+                programs.compile_threads(), len(self.background_shapes()))
         self.warmup(progress, self.covering_shapes())
         if self._cancel.is_set():
             return

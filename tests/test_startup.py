@@ -311,14 +311,14 @@ def test_start_up_compiles_side_by_side_the_costliest_first(tmp_path):
     one = engine_programs.StartUp(ps, shapes, threads=1)
     one.run(threading.Event(), lambda shape, how, seconds: order.append(shape))
     assert order == sorted(shapes, key=engine_programs.compile_cost, reverse=True)
-    assert one.outcomes == {"compiled": len(shapes), "loaded": 0, "present": 0} and one.seconds_left() == 0
+    assert one.outcomes == {"compiled": len(shapes), "loaded": 0, "present": 0, "preloaded": 0} and one.seconds_left() == 0
     assert one.summary().startswith(f"{len(shapes)} programs: {len(shapes)} compiled on 1 thread (")
 
     engine_programs.clear_registry()  # a restart, on two threads: every program loads, once
     ps = _small_programs(tmp_path)
     two = engine_programs.StartUp(ps, shapes, threads=2)
     two.run(threading.Event())
-    assert two.outcomes == {"compiled": 0, "loaded": len(shapes), "present": 0} and two.threads == 2
+    assert two.outcomes == {"compiled": 0, "loaded": len(shapes), "present": 0, "preloaded": 0} and two.threads == 2
     assert all(ps.has(s) for s in shapes) and ps.counters["loaded"] == len(shapes)
     assert two.summary() == f"{len(shapes)} programs: {len(shapes)} loaded from disk"
 
@@ -327,6 +327,35 @@ def test_start_up_compiles_side_by_side_the_costliest_first(tmp_path):
     none = engine_programs.StartUp(_small_programs(), [("decode", 2, 1)], threads=2)
     none.run(cancelled)
     assert none.done == 0 and not none.programs.has(("decode", 2, 1))
+
+
+def test_a_launch_loads_the_programs_it_served_from_last_time_before_its_engine_exists(tmp_path):
+    shapes = [("decode", 2, 1), ("prefill", 1, 2)]
+    lowerers = _small_programs().lowerers
+    first = engine_programs.program_set("small", lowerers, tmp_path)
+    engine_programs.StartUp(first, shapes, threads=1).run(threading.Event())  # compiled and kept
+    # The launch served from these, and from one program it never kept (nothing to load for it).
+    engine_programs.note_launch(tmp_path, "launch-a", first.key, shapes + [("score", 1, 16)])
+
+    engine_programs.clear_registry()  # the next launch of that name: loads them beside the weights
+    engine_programs.preload(tmp_path, "launch-a").join()
+    ps = engine_programs.program_set("small", lowerers, tmp_path)  # its engine, with the same key
+    assert all(map(ps.has, shapes)) and ps.counters["loaded"] == 2 and ps.counters["compiled"] == 0
+    run = engine_programs.StartUp(ps, shapes + [("score", 1, 16)], threads=1)
+    run.run(threading.Event())
+    assert run.outcomes == {"preloaded": 2, "compiled": 1, "loaded": 0, "present": 0}
+    assert "2 loaded from disk beside the weights" in run.summary()
+
+    engine_programs.clear_registry()  # a launch whose engine has another key (settings, code changed)
+    engine_programs.preload(tmp_path, "launch-a").join()
+    other = engine_programs.program_set("other", lowerers, tmp_path)
+    assert other.ensure(shapes[0]) == "compiled"  # never the other key's programs
+    again = engine_programs.program_set("small", lowerers, tmp_path)
+    assert again.counters["loaded"] == 0 and not again.has(shapes[0])  # the unclaimed ones were dropped
+
+    assert engine_programs.preload(tmp_path, "never-launched") is None
+    (tmp_path / "launches" / "garbled.json").write_text("{not json")
+    assert engine_programs.preload(tmp_path, "garbled") is None
 
 
 def test_the_loop_may_run_a_wide_prefill_before_its_first_run_but_no_other_step():

@@ -25,24 +25,22 @@ def cmd_serve(args) -> int:
     sock = bind(args.host, args.port) if not multi or args.process_id == 0 else None
     init_distributed(args)
     use_compile_cache(args.compile_cache_dir, not args.no_compile_cache)
-    # The weights are read while the server's own modules import (FastAPI and the app, ~0.3-0.5 s;
-    # on 2 busy cores the overlap is within the noise of a start: benchmarks/README.md).
-    loading = _Background(_load, args)
-    from hybridjax.server import ServerConfig, serve
+    kept = str(executable_dir()) if executable_dir() and not args.no_compile_cache else None
+    launch = _launch_name(args) if kept and not multi else None
+    preloading = None
+    if launch:  # the programs the last such launch served from load beside the weights
+        from hybridjax import engine_programs
 
-    sc = ServerConfig(
-        host=args.host, port=args.port, slots=args.slots, max_len=args.max_len,
-        max_queue=args.max_queue, prefix_cache=not args.no_prefix_cache, cache_mb=args.cache_mb,
-        cache_entries=args.cache_entries, cache_eviction=args.cache_eviction, cache_ttl_s=args.cache_ttl, checkpoint_interval=args.checkpoint_interval,
-        cache_dir=args.prefix_cache_dir, cache_disk_mb=args.prefix_cache_disk_mb or 4096.0, api_key=args.api_key, page_size=args.page_size, kv_pages=args.kv_pages, kv_mb=args.kv_mb,
-        prefill_chunk=args.prefill_chunk, warmup=not args.no_warmup,
-        api_keys=read_api_keys(args.api_key_file) if args.api_key_file else (),
-        max_body_bytes=int(args.max_body_mb * 2**20), speculative_tokens=args.speculative_tokens,
-        speculative_adaptive=args.speculative_adaptive, header_timeout_s=args.header_timeout,
-        body_timeout_s=args.body_timeout, keep_alive_s=args.keep_alive, max_connections=args.max_connections,
-    )
-    sc.executable_dir = str(executable_dir()) if executable_dir() and not args.no_compile_cache else None
-    cfg, params, tok, name = loading.result()
+        preloading = engine_programs.preload(kept, launch)
+    try:
+        cfg, params, tok, name, sc = _load_beside_imports(args)
+    except BaseException:
+        if preloading is not None:
+            preloading.join()  # not while XLA loads a program: a process exiting beside it aborts
+        raise
+    sc.executable_dir, sc.launch = kept, launch
+    from hybridjax.server import serve
+
     if not multi:
         return serve(sc, cfg, params, tok, name, sock=sock)
     # Process 0 serves HTTP; the others replay its engine steps (hybridjax.multihost).
@@ -64,6 +62,28 @@ def cmd_serve(args) -> int:
         calls.close()
 
 
+def _load_beside_imports(args):
+    """(cfg, params, tokenizer, name, ServerConfig): the weights read on a thread while the server's
+    modules import."""
+    # The weights are read while the server's own modules import (FastAPI and the app, ~0.3-0.5 s;
+    # on 2 busy cores the overlap is within the noise of a start: benchmarks/README.md).
+    loading = _Background(_load, args)
+    from hybridjax.server import ServerConfig
+
+    sc = ServerConfig(
+        host=args.host, port=args.port, slots=args.slots, max_len=args.max_len,
+        max_queue=args.max_queue, prefix_cache=not args.no_prefix_cache, cache_mb=args.cache_mb,
+        cache_entries=args.cache_entries, cache_eviction=args.cache_eviction, cache_ttl_s=args.cache_ttl, checkpoint_interval=args.checkpoint_interval,
+        cache_dir=args.prefix_cache_dir, cache_disk_mb=args.prefix_cache_disk_mb or 4096.0, api_key=args.api_key, page_size=args.page_size, kv_pages=args.kv_pages, kv_mb=args.kv_mb,
+        prefill_chunk=args.prefill_chunk, warmup=not args.no_warmup,
+        api_keys=read_api_keys(args.api_key_file) if args.api_key_file else (),
+        max_body_bytes=int(args.max_body_mb * 2**20), speculative_tokens=args.speculative_tokens,
+        speculative_adaptive=args.speculative_adaptive, header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout, keep_alive_s=args.keep_alive, max_connections=args.max_connections,
+    )
+    return (*loading.result(), sc)
+
+
 def _check_serve_args(args) -> None:
     """The flag combinations serve refuses, before anything loads."""
     if args.prefix_cache_disk_mb is not None and not args.prefix_cache_dir:
@@ -77,6 +97,18 @@ def _check_serve_args(args) -> None:
     if multi and args.speculative_tokens:
         # The speculative step is not among the steps followers replay (hybridjax.multihost).
         raise CLIError("--speculative-tokens is not supported across processes")
+
+
+def _launch_name(args) -> str:
+    """A digest of what this launch serves and how (the model as named, every flag but the
+    address): the name under which its programs are noted for the next such launch. A model
+    changed in place keeps its name; its programs then have another key and are not used."""
+    import hashlib
+    import os
+
+    model = os.path.abspath(args.model) if args.model and os.path.exists(args.model) else args.model
+    flags = sorted((k, repr(v)) for k, v in vars(args).items() if k not in ("host", "port", "func", "model"))
+    return hashlib.sha256(repr((model, flags)).encode()).hexdigest()[:24]
 
 
 def _load(args):

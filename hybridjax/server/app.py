@@ -42,6 +42,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
+from hybridjax import engine_programs
 from hybridjax.engine import Engine, GenerationRequest, QueueFull, RequestHandle
 from hybridjax.generate import sampling_params
 from hybridjax.pages import page_bytes
@@ -92,6 +93,9 @@ class ServerConfig:
     prefill_chunk: int = 256
     warmup: bool = True  # compile the covering programs before serving, the rest behind
     executable_dir: str | None = None  # keep compiled programs here between runs (engine_programs)
+    # A name for this launch's model and settings: the engine notes its programs under it in
+    # executable_dir, and the next launch of that name loads them while its weights load.
+    launch: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get a 413
     speculative_tokens: int = 0  # K drafts of the MTP head per decode step (0: plain decoding)
     speculative_adaptive: bool = False  # plain steps while drafting does not pay (scheduler.SpecPolicy)
@@ -140,6 +144,8 @@ def build_engine(sc: ServerConfig, cfg, params, tokenizer, name: str, calls=None
                     num_pages=num_pages, prefill_chunk=sc.prefill_chunk, speculative_tokens=sc.speculative_tokens,
                     speculative_adaptive=sc.speculative_adaptive, calls=calls,
                     executable_dir=sc.executable_dir if calls is None else None)
+    if sc.launch and sc.executable_dir and engine.programs is not None:
+        engine_programs.note_launch(sc.executable_dir, sc.launch, engine.programs.key, engine.covering_shapes())
     return engine, store
 
 
