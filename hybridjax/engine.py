@@ -154,6 +154,13 @@ def runs_before_its_first_run(n_params: int, shape: tuple) -> bool:
     return name == "prefill" and n_params * rows * tokens > EAGER_PREFILL_WORK
 
 
+# The scoring program's first run keeps its max_len cache for the first echo when it is at most
+# this large: made once at start-up instead of by that echo (device_put of zeros and fresh pages:
+# ~10 ms of a 45 ms echo on the default model, 8 MB). A larger one (a long context of a large
+# model: a GB and more) is made when a client first echoes, and not held for clients who never do.
+KEEP_FIRST_SCORE_CACHE_BYTES = 64 << 20
+
+
 def first_runs_off_the_loop(state_bytes: int) -> bool:
     """Whether the programs made behind take their first runs on the compiling thread, on a
     scratch engine state (`Engine._first_run_on_scratch`), rather than on the loop: on CPU, where a
@@ -864,10 +871,10 @@ class Engine:
             scorers = {narrowest[2]: self.programs.get(narrowest)}
         return score_list(*self._score(prompt_ids, sp, scorers), n, top)
 
-    def _score(self, prompt_ids, sp, scorers: dict, keep: bool = True):
+    def _score(self, prompt_ids, sp, scorers: dict, keep_below: int | None = None):
         """`generate.score_in_pieces` over a free scoring cache (made on first need; several
-        threads may score at once, each with its own). `keep` False: the cache is dropped after
-        (a first run: an engine whose clients never echo holds no max_len cache for it)."""
+        threads may score at once, each with its own), kept after for the next one if it holds
+        at most `keep_below` bytes (None: kept)."""
         from hybridjax.generate import score_in_pieces
 
         with self._score_lock:
@@ -876,7 +883,7 @@ class Engine:
             cache = self._empty_score_cache()
         scores, cache = score_in_pieces(self.params, self.cfg, prompt_ids, sampling_params(1) if sp is None else sp,
                                         scorers, cache)  # (a failure loses the donated cache: a new one is made)
-        if keep:
+        if keep_below is None or sum(x.nbytes for x in jax.tree_util.tree_leaves(cache)) <= keep_below:
             with self._score_lock:
                 self._score_caches.append(cache)
         return scores
@@ -1021,7 +1028,7 @@ class Engine:
         try:
             self.calls.ran.add(shape)  # once, even if it fails
             if shape[0] == "score":
-                self._score([0, 0], None, {shape[2]: self.programs.get(shape)}, keep=False)
+                self._score([0, 0], None, {shape[2]: self.programs.get(shape)}, KEEP_FIRST_SCORE_CACHE_BYTES)
             else:
                 self.loop.run_on_padding(shape)
         except Exception:  # it has changed nothing a request reads; the request that needs it will try it

@@ -116,6 +116,8 @@ def test_serves_on_the_covering_set_and_never_compiles_live(exe_dir):
         threads = {t for _, t in covering_runs}
         assert threads <= {"hybridjax-engine"} | {f"hybridjax-startup-{i}" for i in range(1, 4)}
         assert len(threads) == min(engine_programs.compile_threads(), 2)  # 9 programs: every thread made some
+        # the scorer's first run left its cache (small here) for the first echo, which would make one
+        assert len(eng._score_caches) == 1
         # Nothing compiles behind, and nothing for a request: the mix's echo is scored in pieces of
         # 16, the covering scorer (no compile for a waiting request: `Compiles.first`).
         before, chunks, made = len(_events), eng.counters["prefill_chunks"], eng.programs.counters["compiled"]
