@@ -92,14 +92,18 @@ def cpu_flags() -> str:
 
 
 def environment() -> str:
-    """What a compiled program depends on beyond its inputs: versions, backend, devices, CPU."""
+    """What a compiled program depends on beyond its inputs: versions, backend, devices, CPU, and
+    whether the CPU kernels' extension is built (the same source makes other programs without it:
+    XLA's dots in place of its calls, which a process without it cannot load)."""
     import jaxlib
+
+    from hybridjax import cpu_kernels
 
     devices = jax.devices()
     return repr((jax.__version__, jaxlib.__version__, jax.default_backend(), len(devices),
                  sorted({d.device_kind for d in devices}), jax.process_count(), cpu_flags(),
                  os.environ.get("XLA_FLAGS", ""), platform.python_version(), source_digest(),
-                 {k: v for k, v in os.environ.items() if k.startswith("HYBRIDJAX_CPU_")}))
+                 {k: v for k, v in os.environ.items() if k.startswith("HYBRIDJAX_CPU_")}, cpu_kernels.available()))
 
 
 def program_key(cfg, params, state, settings: dict) -> str:
