@@ -140,18 +140,21 @@ def setup_row(calls, cfg: Config, state, row: int, gdn, logits, length: int, req
 
 
 # A first run off the loop pays ahead, by running the program whole, the 0.1-0.4 s an executable's
-# first run adds. Worth it for a call of about that cost or less; a wider prefill may run before
-# its first run has ended, or a long prompt goes in 16-token chunks meanwhile (the 0.23B model's
-# 1x256, a forward of seconds at low priority: its first long prompt after a restart 2.70x the
-# later ones). The line: parameters x tokens of one call, 2e10 FLOPs, ~0.15 s at this CPU's
-# ~150 GFLOP/s in float32 (the default model's widest prefill is 0.2x it, the 0.23B's 1x64 1.5x).
+# first run adds. Worth it for a call of about that cost or less. A wider prefill or scoring piece
+# (a forward of seconds on a large model) gets no first run ahead: the loop runs it when a request
+# needs it, and that request pays the extra (0.1-0.15 s on the 0.23B model's 1.2 s 1x256). Made
+# ahead, its first runs took the cores from the requests being served (the XLA threads that run a
+# program are not the compiling thread's, which yields the CPU) for 25 s and more after a warm
+# restart, and before, a long prompt went in 16-token chunks while the 1x256's ran (2.70x the later
+# ones). The line: parameters x tokens of one call, 2e10 FLOPs, ~0.15 s at this CPU's ~150 GFLOP/s
+# in float32 (the default model's widest prefill is 0.2x it, the 0.23B's 1x64 1.5x).
 EAGER_PREFILL_WORK = 1e10
 
 
 def runs_before_its_first_run(n_params: int, shape: tuple) -> bool:
-    """Whether the loop may run `shape` before its first run off the loop has ended."""
+    """Whether `shape` runs without a first run made ahead (a wide prefill or scoring piece)."""
     name, rows, tokens = shape
-    return name == "prefill" and n_params * rows * tokens > EAGER_PREFILL_WORK
+    return name in ("prefill", "score") and n_params * rows * tokens > EAGER_PREFILL_WORK
 
 
 # The scoring program's first run keeps its max_len cache for the first echo when it is at most
@@ -975,15 +978,17 @@ class Engine:
 
     def _program_made(self, shape: tuple) -> None:
         """A program compiled or loaded behind (on that thread) runs once before a request meets
-        it: a scoring program here, on a two-token prompt (scoring touches no engine state); a
+        it, unless a call of it is a long forward (`runs_before_its_first_run`): a scoring
+        program here, on a two-token prompt (scoring touches no engine state); a
         step program here too, on a scratch state, where the engine runs first runs off its
         thread (`calls.warm`), else by the loop when idle (woken here). A first run on the loop
         held up any request that came meanwhile: up to 0.3 s, most often the first few after a
         start, while the programs behind were made."""
         if shape[0] == "score":
-            self._first_run(shape)
+            if not self.calls.eager(shape):
+                self._first_run(shape)
         elif self.calls.warm is not None:
-            if shape not in self.calls.ran:  # (a request may have run a wide prefill first: `calls.eager`)
+            if shape not in self.calls.ran and not self.calls.eager(shape):
                 self._first_run_on_scratch(shape)
             self.calls.warm.add(shape)
         if not self.compiles.queue:  # the last program behind

@@ -306,6 +306,17 @@ def _small_programs(tmp_path=None) -> engine_programs.ProgramSet:
     return engine_programs.ProgramSet("small", {name: lower for name in engine_programs.COMPILE_COST}, tmp_path)
 
 
+def test_kept_programs_are_keyed_by_whether_the_cpu_kernels_are_built(monkeypatch):
+    # The same source compiles calls of the kernels' extension where it is built and XLA's dots where
+    # not; a process without it cannot load the former, and one with it would run the latter, slower.
+    from hybridjax import cpu_kernels
+
+    built = cpu_kernels.available()
+    as_built = engine_programs.environment()
+    monkeypatch.setattr(cpu_kernels, "available", lambda: not built)
+    assert engine_programs.environment() != as_built
+
+
 def test_start_up_compiles_side_by_side_the_costliest_first(tmp_path):
     shapes = [(name, 1, 2) for name in engine_programs.COMPILE_COST]
     ps = _small_programs(tmp_path)
@@ -369,6 +380,9 @@ def test_the_loop_may_run_a_wide_prefill_before_its_first_run_but_no_other_step(
     assert eager(230_000_000, ("prefill", 1, 64)) and eager(230_000_000, ("prefill", 4, 64))
     assert not eager(230_000_000, ("prefill", 1, 16)) and not eager(230_000_000, ("decode", 4, 1))
     assert not eager(8_900_000, ("prefill", 1, 256))  # the default model: a 256-token call is short
+    # nor is a wide scoring piece's first run made ahead (a forward of seconds, taking the cores)
+    assert eager(230_000_000, ("score", 1, 256)) and not eager(230_000_000, ("score", 1, 16))
+    assert not eager(230_000_000, ("decode", 4, 1)) and not eager(8_900_000, ("score", 1, 256))
     ps = _small_programs()
     calls = engine_programs.CompiledCalls(ps, functools.partial(eager, 230_000_000))
     calls.warm = set()
