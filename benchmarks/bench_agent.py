@@ -45,6 +45,7 @@ import uvicorn
 
 from hybridjax.default_model import DEFAULT_NAME, default_model
 from hybridjax.server import ServerConfig, create_app
+from hybridjax.server.app import freeze_what_start_up_made
 from hybridjax.server.app import build_engine
 from hybridjax.tokenizer import Tokenizer, chatml_template
 
@@ -212,7 +213,9 @@ def main(argv=None) -> int:
     engine, _ = build_engine(sc, cfg, params, tok, DEFAULT_NAME)
     port = 18000 + random.randint(0, 999)
     url = f"http://127.0.0.1:{port}"
-    server, thread = serve_until_compiled(create_app(engine, DEFAULT_NAME, warmup=True), engine, port)
+    app = create_app(engine, DEFAULT_NAME, warmup=True)
+    freeze_what_start_up_made(engine)  # as `hybridjax serve` does
+    server, thread = serve_until_compiled(app, engine, port)
     spans = time_prefill_calls(engine)
     results = []
     try:

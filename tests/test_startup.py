@@ -151,6 +151,28 @@ def test_serves_on_the_covering_set_and_never_compiles_live(exe_dir):
         eng.stop()
 
 
+def test_a_server_process_freezes_what_start_up_made_then_and_after_ready_and_behind(exe_dir):
+    # A full collection scans every tracked object (80-210 ms in a served process, a stall of the
+    # engine thread and every request); frozen, the objects start-up made are left out of it.
+    import gc
+
+    from hybridjax.server.app import freeze_what_start_up_made
+
+    eng = _engine(exe_dir)
+    try:
+        watcher = freeze_what_start_up_made(eng, poll_s=0.05)
+        at_build = gc.get_freeze_count()
+        assert at_build > 0 and watcher.is_alive()  # frozen now; then it waits for the engine
+        eng.start(warmup=True)
+        assert eng.ready.wait(600)
+        watcher.join(600)
+        assert not watcher.is_alive() and not eng.compiling  # it ended once the programs behind were made
+        assert gc.get_freeze_count() > at_build  # what the start-up and the programs behind made, too
+    finally:
+        eng.stop()
+        gc.unfreeze()  # this process makes many engines: theirs must stay collectable
+
+
 def _record_first_runs(eng: Engine) -> list:
     """(shape, thread) of each step executable's first run from now on."""
     runs, run_ = [], eng.calls._run
