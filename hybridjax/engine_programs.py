@@ -146,10 +146,11 @@ class ProgramSet:
     def has(self, shape: tuple) -> bool:
         return shape in self._compiled
 
-    def ensure(self, shape: tuple) -> str:
+    def ensure(self, shape: tuple, compile: bool = True) -> str:
         """Make `shape`'s executable exist: 'present', 'loaded' (from disk) or 'compiled'.
         Threads may ensure different shapes at once (XLA compiles each on one core); a second
-        thread asking for the same shape waits for the first and finds it 'present'."""
+        thread asking for the same shape waits for the first and finds it 'present'. `compile`
+        False (`preload`, before the lowerers exist): 'missing' where nothing usable is kept."""
         with self._lock:
             shape_lock = self._shape_locks.setdefault(shape, threading.Lock())
         with shape_lock:
@@ -159,6 +160,8 @@ class ProgramSet:
             exe = self._load(shape)
             how = "loaded" if exe is not None else "compiled"
             if exe is None:
+                if not compile:
+                    return "missing"
                 exe = self._compile(shape)
                 self._save(shape, exe)
             seconds = time.perf_counter() - t0
@@ -167,6 +170,8 @@ class ProgramSet:
                 self.counters["load_seconds" if how == "loaded" else "compile_seconds"] += seconds
                 if how == "compiled":
                     self.seconds[shape] = seconds
+                if not compile:
+                    self.preloaded.add(shape)
             with self._changed:
                 self._compiled[shape] = exe
                 self._changed.notify_all()
@@ -184,27 +189,6 @@ class ProgramSet:
             return exe
         log.info("%s was in JAX's compilation cache but not kept here: compiling it again to keep it", shape_name(shape))
         return self.lowerers[name](rows, tokens, f"{self.key}_{secrets.token_hex(4)}").compile()
-
-    def load_kept(self, shape: tuple) -> bool:
-        """Load `shape`'s kept executable if there is a usable one (never compiles: `preload`
-        runs before the lowerers exist). True if `shape` is present after."""
-        with self._lock:
-            shape_lock = self._shape_locks.setdefault(shape, threading.Lock())
-        with shape_lock:
-            if shape in self._compiled:
-                return True
-            t0 = time.perf_counter()
-            exe = self._load(shape)
-            if exe is None:
-                return False
-            with self._lock:
-                self.counters["loaded"] += 1
-                self.counters["load_seconds"] += time.perf_counter() - t0
-                self.preloaded.add(shape)
-            with self._changed:
-                self._compiled[shape] = exe
-                self._changed.notify_all()
-            return True
 
     def on_disk(self, shape: tuple) -> bool:
         """A kept executable exists for `shape` (it may still turn out unusable)."""
@@ -310,7 +294,7 @@ def preload(directory, launch: str) -> threading.Thread | None:
 
         cpu_kernels.available()  # (here, not in `_load`'s first call on the engine's threads)
         for shape in shapes:
-            ps.load_kept(shape)
+            ps.ensure(shape, compile=False)
 
     thread = threading.Thread(target=run, name="hybridjax-preload", daemon=True)
     thread.start()
