@@ -250,7 +250,7 @@ def program_set(key: str, lowerers: dict, directory=None) -> ProgramSet:
         ps = _REGISTRY.get(key)
         if ps is None or (directory and ps.directory is None):
             ps = _REGISTRY[key] = ProgramSet(key, lowerers, directory)
-        elif not ps.claimed:
+        elif not ps.claimed and lowerers:
             ps.lowerers, ps.claimed = lowerers, True
         return ps
 
@@ -284,15 +284,9 @@ def preload(directory, launch: str) -> threading.Thread | None:
         key, shapes = str(noted["key"]), [tuple(s) for s in noted["shapes"]]
     except (OSError, ValueError, KeyError, TypeError):
         return None  # never launched so (or a note from another version): nothing to load ahead
-    with _REGISTRY_LOCK:
-        ps = _REGISTRY.get(key)
-        if ps is None:
-            ps = _REGISTRY[key] = ProgramSet(key, {}, directory)
+    ps = program_set(key, {}, directory)  # no lowerers: unclaimed until an engine of this key asks
 
     def run():
-        from hybridjax import cpu_kernels
-
-        cpu_kernels.available()  # (here, not in `_load`'s first call on the engine's threads)
         for shape in shapes:
             ps.ensure(shape, compile=False)
 
