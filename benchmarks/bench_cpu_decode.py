@@ -421,6 +421,14 @@ def llama_bench(binary: str, gguf: str, threads: int, n: int, depth: int) -> dic
 # --- main -----------------------------------------------------------------------------------
 
 
+def kernel_path(cpu_kernels) -> str:
+    """The kernel's path as the calls take it, and the CPU's best when HYBRIDJAX_CPU_ISA caps it."""
+    if not cpu_kernels.available():
+        return "unavailable"
+    isa, best = cpu_kernels.isa(), cpu_kernels.best_isa()
+    return isa if isa == best else f"{isa}, capped by HYBRIDJAX_CPU_ISA on a CPU whose best is {best}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="32 new tokens after 32, 2 rounds, 4096^2 matvec")
@@ -483,7 +491,7 @@ def main(argv=None) -> int:
             loaded[weights_of(name)] = (c, jax.block_until_ready(cpu_kernels.quantize_params(p, layout)))
         cfg, params = loaded[weights_of(name)]
         if name.endswith("-packed") or name.endswith("-packed-1t"):
-            params = jax.block_until_ready(cpu_kernels.pack_params(params))
+            params = jax.block_until_ready(cpu_kernels.pack_params(params, force=True))  # whatever the path
         modes[name] = Mode(name, params, cfg, use_kernel, threads)
     prompt = bench_generate.prompt_tokens(a.prompt).tolist()
     print(f"decode, {len(modes)} modes x {a.repeats} rounds ...", file=sys.stderr, flush=True)
@@ -504,7 +512,7 @@ def main(argv=None) -> int:
     f32_bytes = wbytes.get("float32") or 2 * wbytes["bfloat16"]
     bound_tok_s = bound_bw * 1e9 / f32_bytes
     print(f"\nhybridjax decode on CPU (jax {jax.__version__}, {os.cpu_count()} cores, kernel path "
-          f"{cpu_kernels.best_isa() if cpu_kernels.available() else 'unavailable'}); batch 1, "
+          f"{kernel_path(cpu_kernels)}); batch 1, "
           f"{a.new_tokens} greedy tokens after a {a.prompt}-token prompt, median of {a.repeats}; "
           f"load average {load0} -> {load1}\n")
     print("one-row matvec, " + ", ".join(f"{k}: {v:.1f} GB/s" for k, v in bw.items()))

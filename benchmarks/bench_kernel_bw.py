@@ -58,6 +58,7 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     import numpy as np
 
+    import bench_cpu_decode
     from hybridjax import cpu_kernels
 
     calls = {"new": lambda x, w: cpu_kernels.matmul(x, w, max_threads=a.threads),
@@ -109,7 +110,7 @@ def main(argv=None) -> int:
             return run(x, ws, ())
         return f
 
-    print(f"CPU kernel weight stream, best path {cpu_kernels.best_isa()}, threads {a.threads or 'pool'}; "
+    print(f"CPU kernel weight stream, path {bench_cpu_decode.kernel_path(cpu_kernels)}, threads {a.threads or 'pool'}; "
           f"load {loadavg()} at start")
     print("| K x N | rows | " + " | ".join(f"{m} GB/s med / best" for m in modes)
           + " | f32, bf16, int8 / read (med) | load |")

@@ -512,6 +512,32 @@ def test_pack_params_packs_the_projections_only(loaded, hf_dirs):
         assert a is b
 
 
+
+def test_a_capped_path_makes_the_layout_choices_of_a_cpu_with_only_that_path(loaded, monkeypatch):
+    """HYBRIDJAX_CPU_ISA caps the layouts as well as the calls (`isa()`): capped to avx2, any x86
+    CPU packs bf16 panels, reads "int8" as int8-dot and widens bf16 prefill, as an AVX2-only CPU
+    does, so an AVX-512 machine runs (and tests) what AVX2 users get; capped to scalar it packs
+    nothing and keeps weight-only int8; a cap above the CPU's best gives the best."""
+    need("avx2")
+    _, params = loaded["qwen3_5_dense"]
+    bf = hybridjax.params.cast_params(params, "bfloat16")
+
+    def packed(p):
+        return any(isinstance(x, cpu_kernels.PackedWeight) for x in jax.tree_util.tree_leaves(
+            p, is_leaf=lambda x: isinstance(x, cpu_kernels.PackedWeight)))
+
+    monkeypatch.setenv("HYBRIDJAX_CPU_ISA", "avx2")
+    assert cpu_kernels.isa() == "avx2"
+    assert packed(cpu_kernels.pack_params(bf))
+    assert cpu_kernels.int8_mode("int8") == "int8-dot" and cpu_kernels.widen_bf16_prefill()
+    monkeypatch.setenv("HYBRIDJAX_CPU_ISA", "scalar")
+    assert cpu_kernels.isa() == "scalar"
+    assert cpu_kernels.pack_params(bf) is bf and cpu_kernels.int8_mode("int8") == "int8-wo"
+    monkeypatch.setenv("HYBRIDJAX_CPU_ISA", "avx512bf16")
+    assert cpu_kernels.isa() == cpu_kernels.best_isa()
+    monkeypatch.delenv("HYBRIDJAX_CPU_ISA")
+    assert cpu_kernels.isa() == cpu_kernels.best_isa()
+
 def test_model_decode_with_packed_weights_equals_without_kernel(loaded, monkeypatch):
     """bfloat16 params packed for decode (the tied head untied, so the LM head is packed too):
     one-token steps through the packed kernel against XLA's dots on the plain weights

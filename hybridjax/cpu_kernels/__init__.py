@@ -28,7 +28,8 @@ XLA's dot.
 Environment (read at trace time: call `jax.clear_caches()` after changing them in-process):
   HYBRIDJAX_CPU_KERNELS=0     never use the kernel in `dense`;
   HYBRIDJAX_CPU_ISA=NAME      cap the path (scalar | avx2 | avx512 | avx512bf16), e.g. to test
-                              a fallback on a CPU that has more;
+                              a fallback on a CPU that has more; the layouts chosen at load
+                              follow the capped path (`isa()`), as on a CPU with only that one;
   HYBRIDJAX_CPU_THREADS=N     use at most N threads per call (default: XLA's pool);
   HYBRIDJAX_CPU_BF16_PREFILL=widen|direct   bf16 prefill matmuls in float32 or bf16 on XLA
                               (default: widen unless the CPU has avx512bf16; `widen_bf16_prefill`).
@@ -120,6 +121,15 @@ def best_isa() -> str:
     return ISAS[lib.HjBestIsa()]
 
 
+def isa() -> str:
+    """The path the kernel's calls take: HYBRIDJAX_CPU_ISA's cap where it is below `best_isa()`,
+    else the best. The layout choices (`pack_params`, `int8_mode`, `widen_bf16_prefill`) follow
+    it, so a capped process does what a CPU with only that path would, layouts included."""
+    best = best_isa()
+    cap = _isa_code(None)
+    return best if cap < 0 else ISAS[min(cap, ISAS.index(best))]
+
+
 def helper_items() -> int:
     """Work items run so far by helper threads of XLA's pool (process-wide; for tests)."""
     lib = _load()[0]
@@ -152,7 +162,7 @@ def widen_bf16_prefill() -> bool:
     """Whether `dense` widens bfloat16 prefill matmuls to float32 on CPU (at trace time).
 
     HYBRIDJAX_CPU_BF16_PREFILL=widen | direct decides; by default widen where the CPU has no
-    bf16 dot instruction (best path below avx512bf16, or the extension is not built): there
+    bf16 dot instruction (`isa()` below avx512bf16, or the extension is not built): there
     XLA:CPU's bf16 x bf16 -> f32 dot ran 0.7-0.8x its float32 one (AVX2, benchmarks/README.md),
     while with AVX512_BF16 / AMX its bf16 path is the faster one."""
     mode = os.environ.get("HYBRIDJAX_CPU_BF16_PREFILL", "").strip().lower()
@@ -160,7 +170,7 @@ def widen_bf16_prefill() -> bool:
         return mode == "widen"
     if mode:
         raise ValueError(f"HYBRIDJAX_CPU_BF16_PREFILL must be widen or direct, got {mode!r}")
-    return not (available() and best_isa() == "avx512bf16")
+    return not (available() and isa() == "avx512bf16")
 
 
 def _isa_code(isa: str | None) -> int:
@@ -354,7 +364,7 @@ def matmul_packed(x, p, n: int, *, isa: str | None = None, max_threads: int | No
     The same sums as `matmul(x, w.astype(bfloat16))` up to float32 rounding (bf16 products,
     float32 accumulation), streamed faster: each panel is one contiguous block and its sums stay
     in registers (avx512bf16: vdpbf16ps; avx2 and avx512: a pair widened by a shift and a mask).
-    The scalar path reads the panels with plain C++ (correct, slow): pack only where `best_isa()`
+    The scalar path reads the panels with plain C++ (correct, slow): pack only where `isa()`
     is in PACKED_ISAS. Other arguments as for `matmul`.
     """
     if not available():
@@ -667,10 +677,10 @@ def pack_params(params, force: bool = False):
     """params with every bfloat16 [K, N] projection (DENSE_WEIGHTS) as a `PackedWeight`, so the
     decode path streams packed panels. Run once, when the params are placed (single device).
 
-    Does nothing (returns params) unless the kernel is enabled and this CPU's best path streams
+    Does nothing (returns params) unless the kernel is enabled and the kernel's path (`isa()`) streams
     panels fast (PACKED_ISAS: vdpbf16ps on avx512bf16; widened pairs on avx2); elsewhere the
     panels would be read by the plain-C++ fallback. `force` packs anyway (tests of the fallback)."""
-    if not force and not (enabled() and best_isa() in PACKED_ISAS):
+    if not force and not (enabled() and isa() in PACKED_ISAS):
         return params
 
     def pack(path, leaf):
@@ -719,12 +729,12 @@ INT8_DOT_ISAS: tuple[str, ...] = ("avx2",)
 
 def int8_mode(mode: str = "int8") -> str:
     """The concrete layout for a quantize mode: "int8" -> "int8-dot" where the kernel is enabled and
-    the best path is in INT8_DOT_ISAS, else "int8-wo"; the explicit modes stay as they are."""
+    its path (`isa()`) is in INT8_DOT_ISAS, else "int8-wo"; the explicit modes stay as they are."""
     if mode not in QUANTIZE_MODES:
         raise ValueError(f"unknown quantisation {mode!r}; valid: {', '.join(QUANTIZE_MODES)}")
     if mode != "int8":
         return mode
-    return "int8-dot" if enabled() and best_isa() in INT8_DOT_ISAS else "int8-wo"
+    return "int8-dot" if enabled() and isa() in INT8_DOT_ISAS else "int8-wo"
 
 _quantize_int8_jit = jax.jit(quantize_int8)  # one compile per weight shape
 
