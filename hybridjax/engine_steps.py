@@ -153,7 +153,7 @@ def _take(x: Array, rows: Array) -> Array:
 
     One row is gathered twice and one copy kept: XLA turns a one-index gather into a dynamic
     slice that it fuses into every reader, and a donated state read that way while `_put` writes
-    it was copied whole, twice per leaf and step (9 ms of a 50 ms decode step on the 228M model,
+    it was copied whole, twice per leaf and step (~7 ms of a 50 ms decode step on the 228M model,
     4 slots); a gather of two rows is its own small op (docs/architecture.md, Known traps)."""
     if rows.shape[0] == 1:
         return x.at[jnp.concatenate([rows, rows])].get(mode="clip")[:1]
@@ -165,7 +165,7 @@ def _put(x: Array, rows: Array, value: Array, mask: Array | None = None) -> Arra
 
     Nothing reads x's old rows (a masked row is dropped like a padding row), so XLA updates the
     donated x in place. When the rows cover at least half of x, one pass choosing each row from
-    x or value replaces the scatter: XLA:CPU's scatter ran at half its speed (2-4 rows of 4)."""
+    x or value replaces the scatter, which XLA:CPU ran at about half that pass's speed (2-4 rows of 4)."""
     if mask is not None:
         rows = jnp.where(mask, rows, x.shape[0])
     if 2 * rows.shape[0] < x.shape[0]:

@@ -512,7 +512,6 @@ def test_pack_params_packs_the_projections_only(loaded, hf_dirs):
         assert a is b
 
 
-
 def test_a_capped_path_makes_the_layout_choices_of_a_cpu_with_only_that_path(loaded, monkeypatch):
     """HYBRIDJAX_CPU_ISA caps the layouts as well as the calls (`isa()`): capped to avx2, any x86
     CPU packs bf16 panels, reads "int8" as int8-dot and widens bf16 prefill, as an AVX2-only CPU
@@ -537,6 +536,7 @@ def test_a_capped_path_makes_the_layout_choices_of_a_cpu_with_only_that_path(loa
     assert cpu_kernels.isa() == cpu_kernels.best_isa()
     monkeypatch.delenv("HYBRIDJAX_CPU_ISA")
     assert cpu_kernels.isa() == cpu_kernels.best_isa()
+
 
 def test_model_decode_with_packed_weights_equals_without_kernel(loaded, monkeypatch):
     """bfloat16 params packed for decode (the tied head untied, so the LM head is packed too):
