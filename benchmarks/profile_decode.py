@@ -192,6 +192,8 @@ def profile_engine(a, model_dir: Path, cfg, params) -> int:
         time.sleep(0.5)
     loop = engine.loop
     rows, table = np.zeros((1,), np.int32), np.zeros((1, engine.sched.pages_per_row), np.int32)
+    # The engine's own executable may be loaded from disk, without its text: the same step compiled
+    # again here gives the same op names (its ops accounted for 46.1 of 46.8 ms per token when run).
     ops = hlo_ops(engine_steps.decode.lower(loop.params, loop.state, rows, table, cfg, loop.implementation)
                   .compile().as_text())
     prompt = bench_generate.prompt_tokens(128).tolist()
