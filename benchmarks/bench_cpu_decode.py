@@ -19,7 +19,8 @@ vocab 32000, untied head, 228 M params; built once into --model-dir if absent). 
              f32-kernel   float32 weights, the kernel for the few-row matmuls
              bf16-kernel  bfloat16 weights, the kernel
              bf16-packed  bfloat16 weights, the projections also kept as packed panels
-                          (cpu_kernels.pack_params: twice the weight memory), the kernel
+                          (cpu_kernels.pack_params: twice the weight memory; 3x where
+                          prefill widens: its copy is then float32), the kernel
                           streaming the panels
              int8-kernel  weight-only int8 projections (cpu_kernels.quantize_params of the
                           float32 weights: q int8 + a float32 scale per output column), the

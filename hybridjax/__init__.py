@@ -61,7 +61,8 @@ def load(path, dtype=None, mesh=None, progress=None, pack_for_decode=False, quan
     `mesh` shard by shard when given. `progress`: a bar on stderr (tensors, bytes) when True, or
     when None and stderr is a terminal; False: none (see `hybridjax.conversion.load`).
     `pack_for_decode`: bfloat16 projections are also kept as packed panels that the CPU decode
-    kernel streams faster (`cpu_kernels.pack_params`; twice the weight memory; single device,
+    kernel streams faster (`cpu_kernels.pack_params`; twice the weight memory, three times where
+    prefill widens bf16 (no AVX512_BF16): its copy is then kept in float32; single device,
     CPUs with AVX2 or AVX512_BF16 only (`cpu_kernels.PACKED_ISAS`), else a no-op).
     `quantize="int8-wo"`: the projections become weight-only int8 with a scale per output column
     (`cpu_kernels.quantize_params`, from the weights in `dtype`); embeddings, norms and the MoE

@@ -43,6 +43,8 @@ def dense(x: Array, w: Array, dtype=None, transposed: bool = False) -> Array:
     rows = x.reshape(-1, n_in)
     xla = functools.partial(_xla_dot, transposed=transposed)
     packed = isinstance(w, cpu_kernels.PackedWeight)  # bf16 kept twice: [K, N] and decode's panels
+    # What XLA's matmuls read: a packed weight's `w` as held (float32 where prefill widens).
+    xla_w = w.w if packed else w
     if isinstance(w, cpu_kernels.Int8Weight):
         y = _int8_dense(rows, w, transposed)
     elif (cpu_kernels.supports(rows.shape[0], x.dtype, w.dtype) and sharding.current_mesh() is None
@@ -53,15 +55,16 @@ def dense(x: Array, w: Array, dtype=None, transposed: bool = False) -> Array:
                                            default=lambda r, w, _: xla(r, w))
         else:
             kernel = functools.partial(cpu_kernels.matmul, transposed=transposed)
-            y = jax.lax.platform_dependent(rows, cpu_kernels.plain_weight(w), cpu=kernel, default=xla)
+            y = jax.lax.platform_dependent(rows, xla_w, cpu=kernel, default=xla)
     elif (w.dtype == jnp.bfloat16 and rows.shape[0] > cpu_kernels.MAX_ROWS and sharding.current_mesh() is None
           and cpu_kernels.widen_bf16_prefill()):
         # XLA:CPU's bf16 dots run below its float32 ones where the CPU has no bf16 dot
-        # instruction: widen both operands inside the step (once per prefill chunk) there.
+        # instruction: widen both operands inside the step (once per prefill chunk) there; a
+        # packed weight's float32 copy (`pack_params`) is widened already.
         widened = functools.partial(_widened_dot, transposed=transposed)
-        y = jax.lax.platform_dependent(rows, cpu_kernels.plain_weight(w), cpu=widened, default=xla)
+        y = jax.lax.platform_dependent(rows, xla_w, cpu=widened, default=xla)
     else:
-        y = xla(rows, cpu_kernels.plain_weight(w))
+        y = xla(rows, xla_w)
     return y.astype(dtype or x.dtype).reshape(*lead, y.shape[-1])
 
 

@@ -509,7 +509,42 @@ def test_pack_params_packs_the_projections_only(loaded, hf_dirs):
     back = cpu_kernels.unpack_params(packed)
     assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(bf)
     for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(bf)):
-        assert a is b
+        assert a.dtype == b.dtype and (a is b or np.array_equal(np.asarray(a), np.asarray(b)))
+
+
+@pytest.mark.parametrize("mode", ["widen", "direct"])
+def test_a_packed_weight_keeps_prefill_widened_where_prefill_widens(loaded, monkeypatch, mode):
+    """Where bf16 prefill widens to float32 (no bf16 dot instruction), `pack_params` keeps
+    prefill's copy widened at load, so a prefill step converts no weight (XLA:CPU's convert is
+    ~14% of a 512-token prefill) and computes the very numbers of the widening path: bf16 x bf16
+    products are exact in float32, and both run XLA's float32 matmul on equal operands, so the
+    logits are bit-identical. Where prefill runs bf16 directly the copy stays bf16. Either way the
+    weight's dtype stays bfloat16 and unpacking gives the bf16 weight back exactly."""
+    monkeypatch.setenv("HYBRIDJAX_CPU_BF16_PREFILL", mode)
+    cfg, params = loaded["qwen3_5_dense"]
+    bf = hybridjax.params.cast_params(params, "bfloat16")
+    packed = cpu_kernels.pack_params(bf, force=True)
+    up = packed.layers[0].ffn.up
+    assert up.dtype == jnp.bfloat16 and up.w.dtype == (jnp.float32 if mode == "widen" else jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(cpu_kernels.plain_weight(up)), np.asarray(bf.layers[0].ffn.up))
+
+    rows = cpu_kernels.MAX_ROWS + 8  # a prefill's rows: XLA's matmul, not the decode kernel
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((rows, up.shape[0])), jnp.bfloat16)
+
+    def weight_converts(w):  # bf16 -> f32 converts of a whole weight in the step lowered for CPU
+        k, n = up.shape
+        text = jax.jit(lambda x, w: ops.dense(x, w)).lower(x, w).as_text()
+        return text.count(f"(tensor<{k}x{n}xbf16>) -> tensor<{k}x{n}xf32>")
+
+    assert (weight_converts(bf.layers[0].ffn.up), weight_converts(up)) == ((1, 0) if mode == "widen" else (0, 0))
+
+    prompt = jnp.asarray(np.random.RandomState(5).randint(0, cfg.vocab_size, (1, rows)), jnp.int32)
+    fwd = jax.jit(functools.partial(hybridjax.forward, cfg=cfg))  # traced under this mode
+
+    def prefill(p):
+        return np.asarray(fwd(p, prompt, hybridjax.init_cache(cfg, 1, 64, capacity=64))[0])
+
+    np.testing.assert_array_equal(prefill(packed), prefill(bf))
 
 
 def test_a_capped_path_makes_the_layout_choices_of_a_cpu_with_only_that_path(loaded, monkeypatch):

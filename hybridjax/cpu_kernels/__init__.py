@@ -575,15 +575,22 @@ class _DecodeLayout:
 
 @jax.tree_util.register_pytree_node_class
 class PackedWeight(_DecodeLayout):
-    """A bfloat16 weight [K, N] kept twice: `w` as is (prefill's XLA matmuls, and any other
-    reader) and `panels = pack_bf16(w)` (decode's `matmul_packed`). `hybridjax.ops.dense` takes
-    it in place of w. Costs a second copy of the weight (a bf16 model then holds as many bytes
-    as a float32 one); buys a faster decode (benchmarks/README.md)."""
+    """A bfloat16 weight [K, N] kept twice: `w` for prefill's XLA matmuls (and any other reader)
+    and `panels = pack_bf16(w)` (decode's `matmul_packed`). `hybridjax.ops.dense` takes it in
+    place of w. `w` is the bfloat16 weight, or its exact float32 widening where prefill widens
+    anyway (`pack_params`): then it is widened once here instead of in every prefill call.
+    Costs a second copy of the weight (a bf16 model then holds as many bytes as a float32 one;
+    with the float32 `w`, 1.5x); buys a faster decode (benchmarks/README.md). Its dtype is the
+    weight's, bfloat16, whatever `w` holds."""
 
     fields = ("w", "panels")
 
     def __init__(self, w, panels):
         self.w, self.panels = w, panels
+
+    @property
+    def dtype(self):
+        return self.panels.dtype
 
     def __repr__(self):
         return f"PackedWeight(shape={self.shape}, dtype={self.dtype})"
@@ -663,7 +670,9 @@ def plain_weight(w):
         if w.is_dot:
             return dequantize_int8_panels(w.panels, w.panel_scales, *w.shape)
         return dequantize_int8(w.q, w.scale)
-    return w.w if isinstance(w, PackedWeight) else w
+    if isinstance(w, PackedWeight):
+        return w.w if w.w.dtype == w.dtype else w.w.astype(w.dtype)  # prefill's float32 copy: exact
+    return w
 
 
 # The projections `hybridjax.ops.dense` reads, by parameter name (not the tied embedding: it is
@@ -679,15 +688,21 @@ def pack_params(params, force: bool = False):
 
     Does nothing (returns params) unless the kernel is enabled and the kernel's path (`isa()`) streams
     panels fast (PACKED_ISAS: vdpbf16ps on avx512bf16; widened pairs on avx2); elsewhere the
-    panels would be read by the plain-C++ fallback. `force` packs anyway (tests of the fallback)."""
+    panels would be read by the plain-C++ fallback. `force` packs anyway (tests of the fallback).
+
+    Where bf16 prefill widens to float32 (`widen_bf16_prefill`: no bf16 dot instruction), prefill's
+    copy is kept widened: XLA:CPU's convert runs at ~0.7 G elements/s, single-threaded, so
+    widening in every prefill call cost ~14% of a 512-token prefill (0.87x float32's); widened
+    once here, prefill runs float32's matmuls on the same numbers (benchmarks/README.md)."""
     if not force and not (enabled() and isa() in PACKED_ISAS):
         return params
+    wide = widen_bf16_prefill()
 
     def pack(path, leaf):
         name = getattr(path[-1], "name", None) if path else None
         if (name in DENSE_WEIGHTS and not isinstance(leaf, PackedWeight) and getattr(leaf, "ndim", 0) == 2
                 and leaf.dtype == jnp.bfloat16):
-            return PackedWeight(leaf, _pack_bf16_jit(leaf))
+            return PackedWeight(leaf.astype(jnp.float32) if wide else leaf, _pack_bf16_jit(leaf))
         return leaf
 
     return jax.tree_util.tree_map_with_path(pack, params, is_leaf=lambda x: isinstance(x, PackedWeight))
