@@ -544,11 +544,16 @@ def main(argv=None) -> int:
         base = next(iter(pre.values()))["tok_s"]
         print(f"\nprefill of {a.prefill_tokens} tokens (batch 1, median of {a.repeats} rounds, modes alternated), "
               f"and the bytes the params hold\n")
-        print(f"| mode | prefill tok/s | rounds | x {next(iter(pre))} | params MB | bytes per projection weight |")
-        print("|---|---:|---:|---:|---:|---:|")
+        first = next(iter(pre))
+        print(f"| mode | prefill tok/s | rounds | x {first} | x {first}, per round: median [min-max] | params MB | "
+              "bytes per projection weight |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
         for name, d in pre.items():
             lo, hi = d["tok_s_range"]
+            # Same-round ratios: a slow spell of the machine slows the round's modes alike.
+            ratios = [t0 / t for t0, t in zip(pre[first]["raw"], d["raw"])]
             print(f"| {name} | {d['tok_s']:.1f} | {lo:.1f}-{hi:.1f} | {d['tok_s'] / base:.2f}x | "
+                  f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}] | "
                   f"{held[name]['total'] / 1e6:.1f} | {held[name]['projection_bytes_per_weight']:.3f} |")
     for other, acc_ in acc.items():
         print(f"\n{other} vs f32-kernel logits (teacher-forced on float32's greedy tokens, {acc_['prompts']} "
