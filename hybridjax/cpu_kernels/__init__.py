@@ -691,9 +691,10 @@ def pack_params(params, force: bool = False):
     panels would be read by the plain-C++ fallback. `force` packs anyway (tests of the fallback).
 
     Where bf16 prefill widens to float32 (`widen_bf16_prefill`: no bf16 dot instruction), prefill's
-    copy is kept widened: XLA:CPU's convert runs at ~0.7 G elements/s, single-threaded, so
-    widening in every prefill call cost ~14% of a 512-token prefill (0.87x float32's); widened
-    once here, prefill runs float32's matmuls on the same numbers (benchmarks/README.md)."""
+    copy is kept widened: XLA:CPU's convert runs single-threaded into fresh pages (0.4 G elements/s
+    in a prefill), about half of bf16 prefill's gap to float32 (per round 0.87x -> 0.92x of
+    float32's on AVX2); widened once here, prefill runs float32's matmuls on the same numbers
+    (benchmarks/README.md)."""
     if not force and not (enabled() and isa() in PACKED_ISAS):
         return params
     wide = widen_bf16_prefill()
