@@ -541,10 +541,10 @@ def main(argv=None) -> int:
         print_step_table(steps, wbytes, f32_bytes)
     if pre:
         held = {name: bytes_held(m.params) for name, m in modes.items()}
-        base = next(iter(pre.values()))["tok_s"]
+        first = next(iter(pre))
+        base = pre[first]["tok_s"]
         print(f"\nprefill of {a.prefill_tokens} tokens (batch 1, median of {a.repeats} rounds, modes alternated), "
               f"and the bytes the params hold\n")
-        first = next(iter(pre))
         print(f"| mode | prefill tok/s | rounds | x {first} | x {first}, per round: median [min-max] | params MB | "
               "bytes per projection weight |")
         print("|---|---:|---:|---:|---:|---:|---:|")
