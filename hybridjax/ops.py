@@ -51,7 +51,7 @@ def dense(x: Array, w: Array, dtype=None, transposed: bool = False) -> Array:
             and cpu_kernels.enabled()):
         if packed and not transposed:
             n = w.shape[1]
-            y = jax.lax.platform_dependent(rows, w.w, w.panels, cpu=lambda r, _, p: cpu_kernels.matmul_packed(r, p, n),
+            y = jax.lax.platform_dependent(rows, xla_w, w.panels, cpu=lambda r, _, p: cpu_kernels.matmul_packed(r, p, n),
                                            default=lambda r, w, _: xla(r, w))
         else:
             kernel = functools.partial(cpu_kernels.matmul, transposed=transposed)

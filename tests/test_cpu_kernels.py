@@ -518,8 +518,9 @@ def test_a_packed_weight_keeps_prefill_widened_where_prefill_widens(loaded, monk
     prefill's copy widened at load, so a prefill step converts no weight (XLA:CPU's converts were
     about half of bf16 prefill's gap to float32) and computes the very numbers of the widening
     path: bf16 x bf16 products are exact in float32, and both run XLA's float32 matmul on equal
-    operands, so the logits are bit-identical. Where prefill runs bf16 directly the copy stays bf16. Either way the
-    weight's dtype stays bfloat16 and unpacking gives the bf16 weight back exactly."""
+    operands, so the logits are bit-identical. Where prefill runs bf16 directly the copy stays
+    bf16. Either way the weight's dtype stays bfloat16 and unpacking gives the bf16 weight back
+    exactly."""
     monkeypatch.setenv("HYBRIDJAX_CPU_BF16_PREFILL", mode)
     cfg, params = loaded["qwen3_5_dense"]
     bf = hybridjax.params.cast_params(params, "bfloat16")
