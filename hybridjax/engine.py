@@ -27,8 +27,10 @@ delivers 1 to K + 1 tokens per step (docs/architecture.md, "Speculative decoding
 Every shape the loop runs is an executable of `hybridjax.engine_programs`, compiled ahead or
 loaded from disk; a live request never compiles. Started with `warmup`, the engine serves as soon
 as a covering set exists (`engine_startup.Shapes.covering`: one decode bucket, the smallest prefill
-chunk, the per-request helpers) and compiles the rest behind, in a thread; until a bucket exists,
-its work runs padded to a larger compiled bucket or split into smaller chunks.
+chunk, the largest draw, the per-request helpers) and compiles the rest behind, in a thread; until
+a bucket exists, its work runs padded to a larger compiled bucket or split into smaller chunks.
+A decode step or prefill chunk is two programs: the model's, then the draw's (the sampler, compiled
+once per row count rather than into each model program).
 Requests are independent rows: greedy output does not depend on the batch or on cache hits.
 """
 
@@ -244,10 +246,12 @@ class DeviceLoop:
         executable's first-run cost (0.1-0.4 s more on CPU) before any request would."""
         self.state = self.padding_run(shape, self.state)
 
-    @staticmethod
-    def padding_run_needs(shape: tuple) -> tuple[tuple, ...]:
-        """The other programs `padding_run(shape)` calls (a row read, for a set-up from a snapshot)."""
-        return (("read_row", 1, 0),) if shape[0] == "setup_row_snapshot" else ()
+    def padding_run_needs(self, shape: tuple) -> tuple[tuple, ...]:
+        """The other programs `padding_run(shape)` calls: a row read, for a set-up from a snapshot;
+        a draw, after a decode step (the largest: it serves any)."""
+        if shape[0] == "setup_row_snapshot":
+            return (("read_row", 1, 0),)
+        return (("draw", self.shapes.draw_buckets[-1], 0),) if shape[0] == "decode" else ()
 
     def padding_run(self, shape: tuple, state):
         """`run_on_padding` on `state` (the engine's, or a scratch one of its shapes: the
@@ -262,12 +266,14 @@ class DeviceLoop:
         elif name == "spec_decode":
             out, s = self.calls.spec_decode(self.params, s, pad, table, self.cfg, self.speculative_tokens,
                                             self.implementation)
-        elif name == "sample_first":
-            out, _, s = self.calls.sample_first(s, pad)
+        elif name == "draw":  # its own program of r rows, where calls are executables; else the steps'
+            draw = getattr(self.calls, "draw", None)
+            out, *_, s = (draw(s, pad, np.ones((r,), bool), exact=True) if draw is not None
+                          else self.calls.sample_first(s, pad))
         elif name == "set_bits":
             out = s = self.calls.set_bits(s, pad, np.full((r, steps.mask_words(self.cfg.vocab_size)), -1, np.int32))
         elif name == "prefill":
-            out, _, s = self.calls.prefill_chunk(self.params, s, pad, np.zeros((r, t), np.int32), np.zeros((r,), np.int32),
+            _, out, s = self.calls.prefill_chunk(self.params, s, pad, np.zeros((r, t), np.int32), np.zeros((r,), np.int32),
                                                  table, np.zeros((r,), bool), self.cfg, self.implementation)
         elif name.startswith("setup_row"):
             gdn, logits = self.calls.read_row(s, 0) if name.endswith("snapshot") else (None, None)
@@ -659,7 +665,8 @@ class Engine:
         if calls is None:
             self.programs = self._program_set(executable_dir, state)
             n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
-            self.calls = programs.CompiledCalls(self.programs, functools.partial(runs_before_its_first_run, n_params))
+            self.calls = programs.CompiledCalls(self.programs, functools.partial(runs_before_its_first_run, n_params),
+                                                self.programs_of.draw_buckets)
             self.compiles = Compiles(self.programs, self._cancel, made=self._program_made)
         self.loop = DeviceLoop(cfg, params, tokenizer, self.calls, self.sched, self.programs_of, state, store=store,
                                counters=self.counters, speculative_tokens=speculative_tokens,
@@ -936,7 +943,8 @@ class Engine:
         from tqdm import tqdm
 
         t0 = time.perf_counter()
-        shapes = self.shapes()
+        # Jitted steps draw inside their decode and prefill programs: only an exact hit's draw runs alone.
+        shapes = [s for s in self.shapes() if s[0] != "draw" or s[1] == 1]
         for shape in tqdm(shapes, desc="compiling", unit="program", disable=not progress):
             self.loop.run_on_padding(shape)
         seconds = time.perf_counter() - t0

@@ -307,7 +307,7 @@ def clear_registry() -> None:
 # measured in one run: prefill 1x16 ~7, decode 4x1 ~6, the first draw of an exact hit ~2.2, a
 # row's set-up ~1.5, the rest well under 1). Start-up compiles the costliest first, so that its
 # threads end together, and estimates the time left from these weights.
-COMPILE_COST = {"spec_decode": 8.0, "prefill": 7.0, "decode": 6.0, "score": 4.0, "sample_first": 2.2,
+COMPILE_COST = {"spec_decode": 8.0, "prefill": 5.0, "decode": 4.0, "score": 4.0, "draw": 2.2,
                 "setup_row": 1.5, "setup_row_snapshot": 1.5}
 
 
@@ -432,13 +432,13 @@ def engine_lowerers(cfg, params, state, *, slots: int, pages_per_row: int, num_p
     snapshot = lambda: jax.eval_shape(steps._read_row, state, page)  # noqa: E731  (traced only to compile)
     named = compile_cache.renamed
     return {
-        "decode": lambda r, t, tag: named(steps.decode, tag).lower(params, state, i32(r), table(r), cfg, implementation),
+        "decode": lambda r, t, tag: named(steps.decode_model, tag).lower(params, state, i32(r), table(r), cfg,
+                                                                        implementation),
         "spec_decode": lambda r, t, tag: named(steps.spec_decode, tag).lower(
             params, state, i32(r), table(r), cfg, speculative_tokens, implementation),
-        "sample_first": lambda r, t, tag: named(steps.sample_first, tag).lower(state, i32(r)),
-        "prefill": lambda r, t, tag: named(steps.prefill_chunk, tag).lower(
-            params, state, i32(r), jax.ShapeDtypeStruct((r, t), np.int32), i32(r), table(r),
-            jax.ShapeDtypeStruct((r,), np.bool_), cfg, implementation),
+        "draw": lambda r, t, tag: named(steps.draw, tag).lower(state, i32(r), jax.ShapeDtypeStruct((r,), np.bool_)),
+        "prefill": lambda r, t, tag: named(steps.prefill_model, tag).lower(
+            params, state, i32(r), jax.ShapeDtypeStruct((r, t), np.int32), i32(r), table(r), cfg, implementation),
         "setup_row": lambda r, t, tag: named(steps.setup_row, tag).lower(state, page, None, None, *row_args),
         "setup_row_snapshot": lambda r, t, tag: named(steps.setup_row, tag).lower(state, page, *snapshot(), *row_args),
         "set_bits": lambda r, t, tag: named(steps.set_bits, tag).lower(
@@ -452,8 +452,10 @@ class CompiledCalls:
     """The engine's calls (`Engine(calls=...)`), each served by its shape's executable in
     `programs`; a shape without one runs the jitted step (compiling: `live_compiles` counts it)."""
 
-    def __init__(self, programs: ProgramSet, eager: Callable[[tuple], bool] = lambda shape: False):
+    def __init__(self, programs: ProgramSet, eager: Callable[[tuple], bool] = lambda shape: False,
+                 draw_buckets: tuple[int, ...] = (1,)):
         self.programs, self.eager = programs, eager
+        self.draw_buckets = tuple(sorted(draw_buckets))  # the row counts a draw program is made for
         self.live_compiles = 0  # calls that found no executable (the jitted step compiles once per shape)
         self.ran: set[tuple] = set()  # shapes whose executable has run (on CPU a first run costs 0.1-0.4 s more)
         # With first runs off the engine thread (`Engine`): the shapes whose first run has ended, the
@@ -491,21 +493,43 @@ class CompiledCalls:
             log.info("no compiled program for %s: the jitted step compiles it", shape_name(shape))
         return jitted()
 
+    # A decode step or a prefill chunk is two programs: the model's, then the draw's (`draw`).
     def decode(self, params, state, rows, table, cfg, implementation=None):
-        return self._run(("decode", len(rows), 1), (params, state, rows, table),
-                         lambda: steps.decode(params, state, rows, table, cfg, implementation))
+        state = self._run(("decode", len(rows), 1), (params, state, rows, table),
+                          lambda: steps.decode_model(params, state, rows, table, cfg, implementation))
+        drawn, done, lengths, state = self.draw(state, rows, np.ones(len(rows), bool))
+        return (drawn, done, lengths), state
 
     def spec_decode(self, params, state, rows, table, cfg, k, implementation=None):
         return self._run(("spec_decode", len(rows), k + 1), (params, state, rows, table),
                          lambda: steps.spec_decode(params, state, rows, table, cfg, k, implementation))
 
     def prefill_chunk(self, params, state, rows, tokens, counts, table, last, cfg, implementation=None):
-        return self._run(("prefill",) + tokens.shape, (params, state, rows, tokens, counts, table, last),
-                         lambda: steps.prefill_chunk(params, state, rows, tokens, counts, table, last, cfg,
-                                                     implementation))
+        """As `steps.prefill_chunk`; a chunk that ends no prompt draws nothing (Drawn None)."""
+        reads, state = self._run(("prefill",) + tokens.shape, (params, state, rows, tokens, counts, table),
+                                 lambda: steps.prefill_model(params, state, rows, tokens, counts, table, cfg,
+                                                             implementation))
+        ends = np.asarray(last) & (np.asarray(counts) > 0)
+        drawn = None
+        if ends.any():
+            drawn, _, _, state = self.draw(state, rows, ends)
+        return drawn, reads, state
 
     def sample_first(self, state, rows):
-        return self._run(("sample_first", len(rows), 0), (state, rows), lambda: steps.sample_first(state, rows))
+        drawn, done, _, state = self.draw(state, rows, np.ones(len(rows), bool))
+        return drawn, done, state
+
+    def draw(self, state, rows, mask, exact: bool = False):
+        """`steps.draw` on the smallest draw program that may run (`has`) and holds len(rows)
+        rows, padded with rows that do not exist (the device skips them; the outputs keep their
+        rows). `exact`: the program of len(rows) rows itself (its first run)."""
+        r = len(rows)
+        fits = [b for b in self.draw_buckets if b >= r and self.has(("draw", b, 0))]
+        b = r if exact or not fits else fits[0]
+        if b > r:
+            rows = np.concatenate([np.asarray(rows, np.int32), np.full((b - r,), state.slots, np.int32)])
+            mask = np.concatenate([np.asarray(mask, bool), np.zeros((b - r,), bool)])
+        return self._run(("draw", b, 0), (state, rows, mask), lambda: steps.draw(state, rows, mask))
 
     def setup_row(self, state, row, gdn, logits, *rest):
         name = "setup_row" if gdn is None else "setup_row_snapshot"

@@ -33,13 +33,19 @@ class Shapes:
     speculative_tokens: int
     max_len: int
 
+    @property
+    def draw_buckets(self) -> tuple[int, ...]:
+        """The row counts of the draw programs: a decode step's or a prefill call's (an exact hit
+        draws alone: 1 row). A draw of fewer rows pads to the next one made."""
+        return tuple(sorted(set(self.decode_buckets) | set(self.prefill_buckets) | {1}))
+
     def all(self) -> list[tuple]:
         """Every program the loop runs: what a full warm-up compiles."""
         k = self.speculative_tokens
         out = [("spec_decode", r, k + 1) for r in self.decode_buckets] if k else []
         # Plain steps also serve a speculative engine's constrained rows (they never draft).
         out += [("decode", r, 1) for r in self.decode_buckets]
-        out += [("sample_first", 1, 0)]  # an exact hit is admitted, and draws, alone
+        out += [("draw", r, 0) for r in self.draw_buckets]  # after a decode step, a prompt's end, an exact hit
         out += [("set_bits", r, 0) for r in self.decode_buckets]
         t = 16
         while t <= self.prefill_chunk:
@@ -50,13 +56,13 @@ class Shapes:
     def covering(self) -> list[tuple]:
         """The fewest programs that serve every request correctly: the largest decode bucket (any
         batch pads to it), one row's smallest prefill chunk (any prompt splits into such chunks),
-        the first draw of an exact hit, the per-request helpers and the narrowest scoring piece
-        (any prompt's echo + logprobs is scored in such pieces)."""
+        the largest draw (any draw pads to it), the per-request helpers and the narrowest scoring
+        piece (any prompt's echo + logprobs is scored in such pieces)."""
         top = self.decode_buckets[-1]
         k = self.speculative_tokens
         out = [("spec_decode", top, k + 1)] if k else []
         out.append(("decode", top, 1))  # also a speculative engine's constrained rows (they never draft)
-        out += [("prefill", 1, 16), ("sample_first", 1, 0), ("set_bits", top, 0)]
+        out += [("prefill", 1, 16), ("draw", self.draw_buckets[-1], 0), ("set_bits", top, 0)]
         out += [s for s in self.all() if s[0] in ("setup_row", "setup_row_snapshot", "read_row", "copy_page")]
         return out + self.score()[:1]
 

@@ -271,11 +271,11 @@ def _draw(state: EngineState, rows: Array, logits: Array, mask: Array) -> tuple[
 # --- the steps ----------------------------------------------------------------------------
 
 
-def _prefill(params, state, rows, tokens, counts, table, last, cfg, implementation=None):
-    """Run a chunk of each row's prompt (tokens [R, T], counts [R] real); rows whose prompt ends
-    here (`last`) draw their first token. Returns (Drawn, reads, state): reads, each row's
-    `_read_row` after the chunk (a snapshot at the chunk's end takes it, with no call of its own:
-    a separate read cost the host ~0.6 ms after a long prefill on CPU)."""
+def _prefill_model(params, state, rows, tokens, counts, table, cfg, implementation=None):
+    """Run a chunk of each row's prompt (tokens [R, T], counts [R] real); each row's logits after
+    it are kept for `_draw_rows`. Returns (reads, state): reads, each row's `_read_row` after the
+    chunk (a snapshot at the chunk's end takes it, with no call of its own: a separate read cost
+    the host ~0.6 ms after a long prefill on CPU)."""
     cache = _rows_cache(state, rows, table)
     live = counts > 0
     if state.hidden is None:
@@ -291,16 +291,22 @@ def _prefill(params, state, rows, tokens, counts, table, last, cfg, implementati
         cache = new
     state = _store_rows(state, rows, cache, live)
     state = state.replace(logits=_put(state.logits, rows, logits[:, 0], live))
-    drawn, state = _draw(state, rows, logits[:, 0], last & live)
     state = pin_state(state, params.mesh)
-    return drawn, tuple(_read_row(state, rows[i]) for i in range(rows.shape[0])), state
+    return tuple(_read_row(state, rows[i]) for i in range(rows.shape[0])), state
 
 
-def _decode(params, state, rows, table, cfg, implementation=None):
-    """Feed each row's pending token and draw the next. A row that is done (on the device) gets
-    its last token fed, draws nothing and goes idle, so its cache covers every token it drew.
-    Returns ((Drawn, done [R], lengths [R]), state); idle and
-    padding rows keep everything."""
+def _prefill(params, state, rows, tokens, counts, table, last, cfg, implementation=None):
+    """`_prefill_model`, then rows whose prompt ends here (`last`) draw their first token.
+    Returns (Drawn, reads, state)."""
+    reads, state = _prefill_model(params, state, rows, tokens, counts, table, cfg, implementation)
+    drawn, _, _, state = _draw_rows(state, rows, last & (counts > 0))
+    return drawn, reads, pin_state(state, params.mesh)
+
+
+def _decode_model(params, state, rows, table, cfg, implementation=None):
+    """Feed each row's pending token; its logits are kept for `_draw_rows`. A row that is done
+    (on the device) gets its last token fed and goes idle, so its cache covers every token it
+    drew. Idle and padding rows keep everything."""
     feed = (rows < state.slots) & ~_take(state.idle, rows)
     draw = feed & ~_take(state.done, rows)
     cache = _rows_cache(state, rows, table)
@@ -319,8 +325,15 @@ def _decode(params, state, rows, table, cfg, implementation=None):
     state = _store_rows(state, rows, cache, feed)
     state = state.replace(logits=_put(state.logits, rows, logits[:, 0], feed),
                           idle=_put(state.idle, rows, feed & ~draw, feed & ~draw))
-    drawn, state = _draw(state, rows, logits[:, 0], draw)
-    return (drawn, _take(state.done, rows), _take(state.lengths, rows)), pin_state(state, params.mesh)
+    return pin_state(state, params.mesh)
+
+
+def _decode(params, state, rows, table, cfg, implementation=None):
+    """`_decode_model`, then each row that was fed and is not done draws its next token. Returns
+    ((Drawn, done [R], lengths [R]), state)."""
+    state = _decode_model(params, state, rows, table, cfg, implementation)
+    drawn, done, lengths, state = _draw_rows(state, rows, jnp.ones(rows.shape, bool))
+    return (drawn, done, lengths), pin_state(state, params.mesh)
 
 
 @pytree.dataclass
@@ -441,10 +454,20 @@ def _spec_decode(params, state, rows, table, cfg, k, implementation=None):
     return out, pin_state(state, params.mesh)
 
 
+def _draw_rows(state, rows, mask):
+    """Rows `rows` [R] draw a token from the logits kept for them (by the model step just run, or
+    a snapshot's): those `mask`ed that exist and are neither idle nor done. Returns (Drawn, done
+    [R], lengths [R], state). Its own program: the sampler (sort, cumsum, draws: about a third of
+    a decode step's compile) is compiled once per row count, not into every model program."""
+    draw = mask & (rows < state.slots) & ~_take(state.idle, rows) & ~_take(state.done, rows)
+    drawn, state = _draw(state, rows, _take(state.logits, rows), draw)
+    return drawn, _take(state.done, rows), _take(state.lengths, rows), state
+
+
 def _sample_first(state, rows):
     """Rows whose logits are already there (an exact snapshot hit) draw their first token."""
-    drawn, state = _draw(state, rows, _take(state.logits, rows), rows < state.slots)
-    return drawn, _take(state.done, rows), state
+    drawn, done, _, state = _draw_rows(state, rows, jnp.ones(rows.shape, bool))
+    return drawn, done, state
 
 
 def _setup_row(state, row, gdn, logits, length, sp: SamplingParams, seed, seen, budget, stops, want_logprobs,
@@ -532,6 +555,10 @@ def _write_pages(state, ids, ks, vs):
 _donating = compile_cache.jit(donate_argnames="state")  # (compile_cache.jit: the engine keeps these as executables)
 prefill_chunk = _donating(_prefill, static_argnames=("cfg", "implementation"))
 decode = _donating(_decode, static_argnames=("cfg", "implementation"))
+# The engine's compiled programs run a step in two: the model (no sampler), then the draw.
+prefill_model = _donating(_prefill_model, static_argnames=("cfg", "implementation"))
+decode_model = _donating(_decode_model, static_argnames=("cfg", "implementation"))
+draw = _donating(_draw_rows)
 spec_decode = _donating(_spec_decode, static_argnames=("cfg", "k", "implementation"))
 sample_first = _donating(_sample_first)
 setup_row = _donating(_setup_row)

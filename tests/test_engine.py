@@ -291,7 +291,7 @@ def test_cancel_frees_the_slot_for_a_waiting_request(engine_nostore):
 def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(engine_nostore, monkeypatch, caplog):
     eng = engine_nostore
     assert _wait(lambda: eng.active_slots == 0)
-    real = engine_steps.decode
+    real = engine_steps.decode_model  # a decode step's model program (then its draw's)
     calls = []
 
     def fail_after_donating(params, state, *args):
@@ -302,7 +302,7 @@ def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(engine_no
             raise RuntimeError("injected step failure")
         return real(params, state, *args)
 
-    monkeypatch.setattr(engine_steps, "decode", fail_after_donating)
+    monkeypatch.setattr(engine_steps, "decode_model", fail_after_donating)
     errors = eng.counters["errors"]
     p = ids("This step will fail, sorry")
     h = run(eng, p, 4)

@@ -76,9 +76,10 @@ def _cold_long():
     return generate(params, cfg, [LONG], max_new_tokens=4, max_len=ENGINE_KW["max_len"], stop_ids=()).token_lists()[0]
 
 
-def _serve_a_mix(eng: Engine, refs, long_ref) -> None:
+def _serve_a_mix(eng: Engine, refs, long_ref) -> list[int]:
     """Batches of 1-3 rows, a long prompt in chunks, an exact repeat, a hit past a partial page,
-    sampling with penalties, a prompt's own log-probabilities; greedy output == the cold path."""
+    sampling with penalties, a prompt's own log-probabilities; greedy output == the cold path.
+    Returns the sampled request's tokens."""
     p = PROMPTS[0]
     assert run(eng, p, 6).token_ids == refs[tuple(p)]  # cold, alone
     assert run(eng, p, 6).token_ids == refs[tuple(p)]  # an exact repeat: its snapshot's logits
@@ -86,13 +87,14 @@ def _serve_a_mix(eng: Engine, refs, long_ref) -> None:
     handles.append(eng.submit(GenerationRequest(LONG, max_tokens=4)))
     for q, h in zip(PROMPTS + [LONG], handles):
         assert collect(h).token_ids == (refs[tuple(q)] if q is not LONG else long_ref)
-    run(eng, p + enc(" and more"), 3, temperature=0.8, top_p=0.9, seed=3, repetition_penalty=1.2)  # a hit, sampled
+    sampled = run(eng, p + enc(" and more"), 3, temperature=0.8, top_p=0.9, seed=3, repetition_penalty=1.2).token_ids
     scores = eng.prompt_logprobs(p, top=2)
     # in pieces of 16 against one forward: the delta rule's chunks are cut elsewhere, so float32
     # sums run in another order (~1e-5; test_generate's pieces test); alternatives compared by value
     assert len(scores) == len(refs["scores"]) == len(p) - 1
     for (lp, alts), (ref_lp, ref_alts) in zip(scores, refs["scores"]):
         assert abs(lp - ref_lp) <= 1e-4 and max(abs(a[1] - b[1]) for a, b in zip(alts, ref_alts)) <= 1e-4
+    return sampled
 
 
 def test_serves_on_the_covering_set_and_never_compiles_live(exe_dir):
@@ -122,7 +124,7 @@ def test_serves_on_the_covering_set_and_never_compiles_live(exe_dir):
         # 16, the covering scorer (no compile for a waiting request: `Compiles.first`).
         before, chunks, made = len(_events), eng.counters["prefill_chunks"], eng.programs.counters["compiled"]
         p = PROMPTS[0]
-        _serve_a_mix(eng, refs, long_ref)
+        sampled = _serve_a_mix(eng, refs, long_ref)  # its draws padded to the covering draw of 4 rows
         assert eng.counters["prefill_chunks"] - chunks >= 100 // 16  # the long prompt ran in chunks of 16
         assert compiles_outside_the_compile_thread(before) == [] and eng.calls.live_compiles == 0
         assert eng.programs.counters["compiled"] == made
@@ -131,7 +133,7 @@ def test_serves_on_the_covering_set_and_never_compiles_live(exe_dir):
         before = len(_events)
         first_runs = _record_first_runs(eng)
         del eng._compile_behind  # the engine's own again
-        eng._compile_behind([("decode", 1, 1), ("prefill", 1, 32), ("prefill", 2, 16), ("score", 1, 256)])
+        eng._compile_behind([("decode", 1, 1), ("draw", 1, 0), ("prefill", 1, 32), ("prefill", 2, 16), ("score", 1, 256)])
         for _ in range(3):
             assert run(eng, p, 6).token_ids == refs[tuple(p)]
             assert collect(eng.submit(GenerationRequest(LONG, max_tokens=4))).token_ids == long_ref
@@ -145,7 +147,9 @@ def test_serves_on_the_covering_set_and_never_compiles_live(exe_dir):
         made = {("decode", 1, 1), ("prefill", 1, 32), ("prefill", 2, 16)}
         assert {t for s, t in first_runs if s in made} == {"hybridjax-compile"} and made <= {s for s, _ in first_runs}
         assert ("score", 1, 256) in eng.calls.ran  # a scorer ran once as it was made (the mix scores in 16s)
-        _serve_a_mix(eng, refs, long_ref)  # on the new buckets: the same tokens
+        # on the new buckets, the same tokens; the sampled request, an exact hit now, draws its
+        # first token on the one-row draw (not padded), and draws what it drew padded and cold
+        assert _serve_a_mix(eng, refs, long_ref) == sampled and ("draw", 1, 0) in eng.calls.ran
         assert compiles_outside_the_compile_thread(before) == [] and eng.calls.live_compiles == 0
     finally:
         eng.stop()
@@ -205,7 +209,9 @@ def test_without_room_for_a_scratch_state_first_runs_are_the_idle_loops(exe_dir,
         while eng.calls.unrun(made) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert eng.calls.unrun(made) == [] and eng._scratch == {}
-        assert sorted(first_runs) == [(s, "hybridjax-engine") for s in made]
+        # (a decode step's first run also runs the draw it pads to, made at start-up)
+        assert sorted(r for r in first_runs if r[0] in made) == [(s, "hybridjax-engine") for s in made]
+        assert {t for _, t in first_runs} == {"hybridjax-engine"}
     finally:
         eng.stop()
 
