@@ -303,10 +303,10 @@ def clear_registry() -> None:
 
 # --- start-up: programs side by side, the costliest first -----------------------------------
 
-# What each step costs to compile, relative to the others (XLA:CPU seconds for the default model,
-# measured in one run: prefill 1x16 ~7, decode 4x1 ~6, the first draw of an exact hit ~2.2, a
-# row's set-up ~1.5, the rest well under 1). Start-up compiles the costliest first, so that its
-# threads end together, and estimates the time left from these weights.
+# What each step costs to compile, relative to the others (XLA:CPU seconds, lowering included,
+# the 0.23B model, one run: prefill 1x16 ~6, decode 4x1 ~5, a draw ~2.5-3, a row's set-up ~1,
+# the rest well under 1). Start-up compiles the costliest first, so that its threads end
+# together, and estimates the time left from these weights.
 COMPILE_COST = {"spec_decode": 8.0, "prefill": 5.0, "decode": 4.0, "score": 4.0, "draw": 2.2,
                 "setup_row": 1.5, "setup_row_snapshot": 1.5}
 
@@ -436,7 +436,8 @@ def engine_lowerers(cfg, params, state, *, slots: int, pages_per_row: int, num_p
                                                                         implementation),
         "spec_decode": lambda r, t, tag: named(steps.spec_decode, tag).lower(
             params, state, i32(r), table(r), cfg, speculative_tokens, implementation),
-        "draw": lambda r, t, tag: named(steps.draw, tag).lower(state, i32(r), jax.ShapeDtypeStruct((r,), np.bool_)),
+        "draw": lambda r, t, tag: named(steps.draw, tag).lower(steps.draw_part(state), i32(r),
+                                                              jax.ShapeDtypeStruct((r,), np.bool_)),
         "prefill": lambda r, t, tag: named(steps.prefill_model, tag).lower(
             params, state, i32(r), jax.ShapeDtypeStruct((r, t), np.int32), i32(r), table(r), cfg, implementation),
         "setup_row": lambda r, t, tag: named(steps.setup_row, tag).lower(state, page, None, None, *row_args),
@@ -529,7 +530,9 @@ class CompiledCalls:
         if b > r:
             rows = np.concatenate([np.asarray(rows, np.int32), np.full((b - r,), state.slots, np.int32)])
             mask = np.concatenate([np.asarray(mask, bool), np.zeros((b - r,), bool)])
-        return self._run(("draw", b, 0), (state, rows, mask), lambda: steps.draw(state, rows, mask))
+        part = steps.draw_part(state)
+        drawn, done, lengths, part = self._run(("draw", b, 0), (part, rows, mask), lambda: steps.draw(part, rows, mask))
+        return drawn, done, lengths, steps.with_draw_part(state, part)
 
     def setup_row(self, state, row, gdn, logits, *rest):
         name = "setup_row" if gdn is None else "setup_row_snapshot"

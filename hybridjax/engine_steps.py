@@ -464,6 +464,17 @@ def _draw_rows(state, rows, mask):
     return drawn, _take(state.done, rows), _take(state.lengths, rows), state
 
 
+def draw_part(state: EngineState) -> EngineState:
+    """What `_draw_rows` reads and writes: the state without the model's caches. The engine's draw
+    program takes only this, so a call passes 23 arrays, not every layer's too (the default
+    model's one-row draw: 359 us a call against 401 us with the whole state, medians of 15 rounds)."""
+    return state.replace(layers=(), mtp=None)
+
+
+def with_draw_part(state: EngineState, part: EngineState) -> EngineState:
+    return part.replace(layers=state.layers, mtp=state.mtp)
+
+
 def _sample_first(state, rows):
     """Rows whose logits are already there (an exact snapshot hit) draw their first token."""
     drawn, done, _, state = _draw_rows(state, rows, jnp.ones(rows.shape, bool))
