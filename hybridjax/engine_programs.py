@@ -304,9 +304,9 @@ def clear_registry() -> None:
 # --- start-up: programs side by side, the costliest first -----------------------------------
 
 # What each step costs to compile, relative to the others (XLA:CPU seconds, lowering included,
-# the 0.23B model, one run: prefill 1x16 ~6, decode 4x1 ~5, a draw ~2.5-3, a row's set-up ~1,
-# the rest well under 1). Start-up compiles the costliest first, so that its threads end
-# together, and estimates the time left from these weights.
+# the 0.23B model, two runs: the 16-token scoring piece 6-7.5, prefill 1x16 ~6, decode 4x1 ~5.5,
+# a draw ~3, a row's set-up ~1, the rest well under 1). Start-up compiles the costliest first, so
+# that its threads end together, and estimates the time left from these weights.
 COMPILE_COST = {"spec_decode": 8.0, "prefill": 5.0, "decode": 4.0, "score": 4.0, "draw": 2.2,
                 "setup_row": 1.5, "setup_row_snapshot": 1.5}
 
