@@ -196,6 +196,7 @@ class DeviceLoop:
         self.store, self.counters, self.speculative_tokens = store, counters, speculative_tokens
         self.implementation, self.policy = implementation, policy
         self.has = None  # which shapes may run: None (all), or the compiled programs' `has`
+        self._every_prefill = shapes.ready_prefill(None)  # rows -> every prefill width, once all exist
         self.inflight: _Step | None = None
         self._steps = itertools.count()
         self._waiting_snapshots: dict[int, list] = {}  # step index -> response snapshots its outputs decide
@@ -381,13 +382,19 @@ class DeviceLoop:
         """One prefill call: a chunk of each prompt being prefilled, as many rows as fit the budget."""
         for slot in [s for s in self.sched.rows if s is not None and s.prefilling and s.handle.cancelled.is_set()]:
             self._end(slot, "cancelled")
-        call = self.sched.prefill_call(self.shapes.ready_prefill(self.has))
+        widths = self.shapes.ready_prefill(self.has)
+        call = self.sched.prefill_call(widths)
         if call is None:
             return
         self._prefilled = True
         drawn, reads, self.state = self.calls.prefill_chunk(self.params, self.state, call.rows, call.tokens,
                                                              call.counts, call.table, call.last, self.cfg,
                                                              self.implementation)
+        if widths != self._every_prefill:
+            # Some widths are still being made (start-up): one call on the device at a time, so
+            # that the rest of a long prompt takes a wider chunk as soon as one exists, instead of
+            # all of it queued in 16-token calls (a restart's first 600-token prompt: 12 s, not 2).
+            jax.block_until_ready(self.state)
         self.counters["prefill_chunks"] += 1
         self.counters["tokens_prefilled"] += int(call.counts.sum())
         due = [slot.advance(c) for _, slot, c in call.chosen]
@@ -835,6 +842,10 @@ class Engine:
     def covering_shapes(self) -> list[tuple]:
         """What `start(warmup=True)` has before it serves (`Shapes.covering`); the rest compile behind."""
         return self.programs_of.covering()
+
+    def preload_shapes(self) -> list[tuple]:
+        """What the next launch like this one loads beside its weights (`Shapes.preload`)."""
+        return self.programs_of.preload()
 
     def score_shapes(self) -> list[tuple]:
         return self.programs_of.score()

@@ -66,18 +66,36 @@ class Shapes:
         out += [s for s in self.all() if s[0] in ("setup_row", "setup_row_snapshot", "read_row", "copy_page")]
         return out + self.score()[:1]
 
+    def widest_prefill(self) -> tuple:
+        """One row's widest prefill chunk: a long prompt's (on the 0.23B model, 3.6 ms a token in
+        256-token chunks against 14.5 ms in 16-token ones: benchmarks/README.md, bench_startup)."""
+        return ("prefill", 1, self.prefill_chunk)
+
+    def preload(self) -> list[tuple]:
+        """What a restart loads beside the weights (`engine_programs.preload`): the covering set,
+        then the widest one-row prefill, so that a long prompt right after ready does not run in
+        16-token chunks while the thread behind is still loading it."""
+        return self.covering() + [s for s in [self.widest_prefill()] if s not in self.covering()]
+
     def score(self) -> list[tuple]:
         """The prompt-scoring programs (`Engine.prompt_logprobs`): one per piece width, narrowest first."""
         return [("score", 1, w) for w in SCORE_PIECES if w <= max(self.max_len, SCORE_PIECES[0])]
 
     def background(self) -> list[tuple]:
-        """What compiles behind, the most useful first: smaller decode buckets, longer one-row
-        prefill chunks (fewer calls per prompt), the scoring programs, prefills of several rows."""
+        """What compiles behind, the most useful first: one row's widest prefill chunk (a long
+        prompt's calls cost 4x less a token than in 16-token chunks, where the next decode bucket
+        saves ~15% of a step), smaller decode buckets, the other one-row prefill chunks (longer
+        first), the scoring programs, prefills of several rows."""
         have = set(self.covering())
         rest = [s for s in self.all() + self.score() if s not in have]
         order = {"decode": 0, "spec_decode": 0, "prefill": 1, "score": 2}
-        return sorted(rest, key=lambda s: (order.get(s[0], 0) + (s[0] == "prefill" and s[1] > 1) * 2,
-                                           -s[2] if s[0] == "prefill" else s[2], s[1]))
+
+        def rank(s):
+            if s == self.widest_prefill():
+                return (-1, 0, 0)
+            return (order.get(s[0], 0) + (s[0] == "prefill" and s[1] > 1) * 2, -s[2] if s[0] == "prefill" else s[2], s[1])
+
+        return sorted(rest, key=rank)
 
     def ready_buckets(self, name: str, tokens: int, has: Callable | None) -> list[int]:
         """The decode buckets whose `name` program exists (`has` None: all may run)."""

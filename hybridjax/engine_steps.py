@@ -79,7 +79,7 @@ def state_shardings(state: EngineState, mesh):
 
     layers = tuple(sharding.state_specs(s, mesh, 1) for s in state.layers)
     mtp = None if state.mtp is None else sharding.state_specs(state.mtp, mesh, 1)
-    specs = jax.tree_util.tree_map(lambda _: P(), state.replace(layers=(), mtp=None))
+    specs = jax.tree_util.tree_map(lambda _: P(), draw_part(state))  # the bookkeeping: replicated
     return jax.tree_util.tree_map(lambda p: NamedSharding(mesh, p), specs.replace(layers=layers, mtp=mtp),
                                   is_leaf=lambda x: isinstance(x, P))
 

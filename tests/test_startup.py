@@ -27,6 +27,7 @@ from hybridjax import engine as engine_module
 from hybridjax import engine_programs
 from hybridjax.default_model import tiny_test_model
 from hybridjax.engine import Engine, GenerationRequest
+from hybridjax.engine_startup import Shapes
 from hybridjax.prefix_cache import SnapshotStore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -124,8 +125,12 @@ def test_serves_on_the_covering_set_and_never_compiles_live(exe_dir):
         # 16, the covering scorer (no compile for a waiting request: `Compiles.first`).
         before, chunks, made = len(_events), eng.counters["prefill_chunks"], eng.programs.counters["compiled"]
         p = PROMPTS[0]
+        paced = _record_whether_prefill_calls_end_before_the_next(eng)
         sampled = _serve_a_mix(eng, refs, long_ref)  # its draws padded to the covering draw of 4 rows
         assert eng.counters["prefill_chunks"] - chunks >= 100 // 16  # the long prompt ran in chunks of 16
+        # while wider chunks are missing, each prefill call ended on the device before the loop
+        # planned the next: the rest of a long prompt takes a wider chunk as soon as one exists
+        assert len(paced) == eng.counters["prefill_chunks"] - chunks and all(paced)
         assert compiles_outside_the_compile_thread(before) == [] and eng.calls.live_compiles == 0
         assert eng.programs.counters["compiled"] == made
 
@@ -153,6 +158,39 @@ def test_serves_on_the_covering_set_and_never_compiles_live(exe_dir):
         assert compiles_outside_the_compile_thread(before) == [] and eng.calls.live_compiles == 0
     finally:
         eng.stop()
+
+
+def _record_whether_prefill_calls_end_before_the_next(eng: Engine) -> list[bool]:
+    """For each prefill call the loop makes from now on: whether the engine state it left was
+    ready on the device when the call returned (its work done, not only dispatched)."""
+    out: list[bool] = []
+    prefill = eng.loop._prefill
+
+    def recorded():
+        n = eng.counters["prefill_chunks"]
+        prefill()
+        if eng.counters["prefill_chunks"] > n:
+            out.append(all(x.is_ready() for x in jax.tree_util.tree_leaves(eng.loop.state)))
+
+    eng.loop._prefill = recorded
+    return out
+
+
+def test_a_restart_loads_the_widest_prefill_beside_the_weights_and_compiles_it_first_behind():
+    # A long prompt right after ready runs in whatever chunks exist: 16 tokens, on the 0.23B model
+    # 4x the cost a token of 256-token ones. So the widest one-row chunk comes first, ahead of the
+    # smaller decode buckets (a step ~15% cheaper), and a restart loads it with the covering set.
+    shapes = Shapes(decode_buckets=(1, 2, 4), prefill_buckets=(1, 2, 4), prefill_chunk=256, speculative_tokens=0,
+                    max_len=4096)
+    widest = ("prefill", 1, 256)
+    assert shapes.widest_prefill() == widest and widest not in shapes.covering()
+    assert shapes.preload() == shapes.covering() + [widest]
+    behind = shapes.background()
+    assert behind[0] == widest and sorted(behind) == sorted(set(shapes.all() + shapes.score()) - set(shapes.covering()))
+    assert behind.index(("decode", 1, 1)) < behind.index(("prefill", 1, 128)) < behind.index(("prefill", 1, 32))
+    assert behind.index(("prefill", 1, 32)) < behind.index(("score", 1, 256)) < behind.index(("prefill", 2, 128))
+    narrow = Shapes((1, 4), (1,), 16, 0, 4096)  # the widest chunk is the covering one: nothing more to load
+    assert narrow.preload() == narrow.covering() and narrow.widest_prefill() in narrow.covering()
 
 
 def test_a_server_process_freezes_what_start_up_made_then_and_after_ready_and_behind(exe_dir):
