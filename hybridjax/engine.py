@@ -393,7 +393,8 @@ class DeviceLoop:
         if widths != self._every_prefill:
             # Some widths are still being made (start-up): one call on the device at a time, so
             # that the rest of a long prompt takes a wider chunk as soon as one exists, instead of
-            # all of it queued in 16-token calls (a restart's first 600-token prompt: 12 s, not 2).
+            # all of it queued in 16-token calls (the 0.23B model's first 600-token prompt after a
+            # restart: 10-13 s, ~4 s paced; benchmarks/README.md).
             jax.block_until_ready(self.state)
         self.counters["prefill_chunks"] += 1
         self.counters["tokens_prefilled"] += int(call.counts.sum())
@@ -842,10 +843,6 @@ class Engine:
     def covering_shapes(self) -> list[tuple]:
         """What `start(warmup=True)` has before it serves (`Shapes.covering`); the rest compile behind."""
         return self.programs_of.covering()
-
-    def preload_shapes(self) -> list[tuple]:
-        """What the next launch like this one loads beside its weights (`Shapes.preload`)."""
-        return self.programs_of.preload()
 
     def score_shapes(self) -> list[tuple]:
         return self.programs_of.score()

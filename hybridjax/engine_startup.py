@@ -71,12 +71,6 @@ class Shapes:
         256-token chunks against 14.5 ms in 16-token ones: benchmarks/README.md, bench_startup)."""
         return ("prefill", 1, self.prefill_chunk)
 
-    def preload(self) -> list[tuple]:
-        """What a restart loads beside the weights (`engine_programs.preload`): the covering set,
-        then the widest one-row prefill, so that a long prompt right after ready does not run in
-        16-token chunks while the thread behind is still loading it."""
-        return self.covering() + [s for s in [self.widest_prefill()] if s not in self.covering()]
-
     def score(self) -> list[tuple]:
         """The prompt-scoring programs (`Engine.prompt_logprobs`): one per piece width, narrowest first."""
         return [("score", 1, w) for w in SCORE_PIECES if w <= max(self.max_len, SCORE_PIECES[0])]

@@ -130,7 +130,8 @@ def test_serves_on_the_covering_set_and_never_compiles_live(exe_dir):
         assert eng.counters["prefill_chunks"] - chunks >= 100 // 16  # the long prompt ran in chunks of 16
         # while wider chunks are missing, each prefill call ended on the device before the loop
         # planned the next: the rest of a long prompt takes a wider chunk as soon as one exists
-        assert len(paced) == eng.counters["prefill_chunks"] - chunks and all(paced)
+        assert len(paced) >= 100 // 16 and all(paced)
+        del eng.calls.prefill_chunk, eng.loop._prefill
         assert compiles_outside_the_compile_thread(before) == [] and eng.calls.live_compiles == 0
         assert eng.programs.counters["compiled"] == made
 
@@ -161,36 +162,42 @@ def test_serves_on_the_covering_set_and_never_compiles_live(exe_dir):
 
 
 def _record_whether_prefill_calls_end_before_the_next(eng: Engine) -> list[bool]:
-    """For each prefill call the loop makes from now on: whether the engine state it left was
-    ready on the device when the call returned (its work done, not only dispatched)."""
+    """For each prefill call the loop makes from now on, whose output state is still whole when
+    the loop's prefill returns (no later call consumed it: a page copy for a snapshot may):
+    whether that state was ready on the device then (the call's work done, not only dispatched)."""
     out: list[bool] = []
-    prefill = eng.loop._prefill
+    made: list = []
+    chunk, prefill = eng.calls.prefill_chunk, eng.loop._prefill
+
+    def recorded_chunk(*args, **kw):
+        drawn, reads, state = chunk(*args, **kw)
+        made.append(jax.tree_util.tree_leaves(state))
+        return drawn, reads, state
 
     def recorded():
-        n = eng.counters["prefill_chunks"]
+        made.clear()
         prefill()
-        if eng.counters["prefill_chunks"] > n:
-            out.append(all(x.is_ready() for x in jax.tree_util.tree_leaves(eng.loop.state)))
+        if made and not any(x.is_deleted() for x in made[0]):
+            out.append(all(x.is_ready() for x in made[0]))
 
-    eng.loop._prefill = recorded
+    eng.calls.prefill_chunk, eng.loop._prefill = recorded_chunk, recorded
     return out
 
 
-def test_a_restart_loads_the_widest_prefill_beside_the_weights_and_compiles_it_first_behind():
-    # A long prompt right after ready runs in whatever chunks exist: 16 tokens, on the 0.23B model
-    # 4x the cost a token of 256-token ones. So the widest one-row chunk comes first, ahead of the
-    # smaller decode buckets (a step ~15% cheaper), and a restart loads it with the covering set.
+def test_one_rows_widest_prefill_chunk_compiles_first_behind():
+    # A long prompt soon after ready runs in whatever chunks exist: 16 tokens, on the 0.23B model
+    # 4x the cost a token of 256-token ones. So the widest one-row chunk comes first behind, ahead
+    # of the smaller decode buckets (a step ~15% cheaper); on a restart it is the first loaded.
     shapes = Shapes(decode_buckets=(1, 2, 4), prefill_buckets=(1, 2, 4), prefill_chunk=256, speculative_tokens=0,
                     max_len=4096)
     widest = ("prefill", 1, 256)
     assert shapes.widest_prefill() == widest and widest not in shapes.covering()
-    assert shapes.preload() == shapes.covering() + [widest]
     behind = shapes.background()
     assert behind[0] == widest and sorted(behind) == sorted(set(shapes.all() + shapes.score()) - set(shapes.covering()))
     assert behind.index(("decode", 1, 1)) < behind.index(("prefill", 1, 128)) < behind.index(("prefill", 1, 32))
     assert behind.index(("prefill", 1, 32)) < behind.index(("score", 1, 256)) < behind.index(("prefill", 2, 128))
-    narrow = Shapes((1, 4), (1,), 16, 0, 4096)  # the widest chunk is the covering one: nothing more to load
-    assert narrow.preload() == narrow.covering() and narrow.widest_prefill() in narrow.covering()
+    narrow = Shapes((1, 4), (1,), 16, 0, 4096)  # the widest chunk is the covering one
+    assert narrow.widest_prefill() in narrow.covering() and narrow.widest_prefill() not in narrow.background()
 
 
 def test_a_server_process_freezes_what_start_up_made_then_and_after_ready_and_behind(exe_dir):
