@@ -83,11 +83,11 @@ class Shapes:
         have = set(self.covering())
         rest = [s for s in self.all() + self.score() if s not in have]
         order = {"decode": 0, "spec_decode": 0, "prefill": 1, "score": 2}
+        widest = self.widest_prefill()
 
         def rank(s):
-            if s == self.widest_prefill():
-                return (-1, 0, 0)
-            return (order.get(s[0], 0) + (s[0] == "prefill" and s[1] > 1) * 2, -s[2] if s[0] == "prefill" else s[2], s[1])
+            group = -1 if s == widest else order.get(s[0], 0) + (s[0] == "prefill" and s[1] > 1) * 2
+            return group, -s[2] if s[0] == "prefill" else s[2], s[1]
 
         return sorted(rest, key=rank)
 
