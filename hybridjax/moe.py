@@ -49,7 +49,7 @@ GATHER_MAX_PAIRS = 16
 # On CPU, grouped tiles of up to this many rows go to the CPU kernel's indexed matmul (experts
 # read in place, all tiles in one call); larger tiles to the XLA loop, whose per-expert weight
 # copy is then small beside the tile's compute.
-CPU_KERNEL_MAX_TILE_ROWS = cpu_kernels.MAX_ROWS
+CPU_KERNEL_MAX_TILE_ROWS = cpu_kernels.DECODE_ROWS
 
 
 class Routing(NamedTuple):

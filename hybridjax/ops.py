@@ -34,10 +34,12 @@ def dense(x: Array, w: Array, dtype=None, transposed: bool = False) -> Array:
     (int8-dot's packed panels: int8 x int8 dots, `cpu_kernels.matmul_q8`), more rows widen it to
     float32 for XLA's matmul.
 
-    A few rows (decode) on CPU go to the streaming kernel of `hybridjax.cpu_kernels` when it is
-    built: XLA:CPU's one-row dots leave memory bandwidth unused, and its bfloat16 ones run ~20x
-    below it. More rows (prefill) stay on XLA's matmuls. The choice follows the platform the
-    computation is lowered for, so a CPU host can still lower for a GPU.
+    A few rows (decode, and narrow prefill chunks: `cpu_kernels.max_rows`) on CPU go to the
+    streaming kernel of `hybridjax.cpu_kernels` when it is built: XLA:CPU's one-row dots leave
+    memory bandwidth unused, its bfloat16 ones run ~20x below it, and its 16-row ones are
+    compute-bound below the stream. More rows (wide prefill chunks) stay on XLA's matmuls. The
+    choice follows the platform the computation is lowered for, so a CPU host can still lower
+    for a GPU.
     """
     lead, n_in = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, n_in)
@@ -56,7 +58,7 @@ def dense(x: Array, w: Array, dtype=None, transposed: bool = False) -> Array:
         else:
             kernel = functools.partial(cpu_kernels.matmul, transposed=transposed)
             y = jax.lax.platform_dependent(rows, xla_w, cpu=kernel, default=xla)
-    elif (w.dtype == jnp.bfloat16 and rows.shape[0] > cpu_kernels.MAX_ROWS and sharding.current_mesh() is None
+    elif (w.dtype == jnp.bfloat16 and rows.shape[0] > cpu_kernels.DECODE_ROWS and sharding.current_mesh() is None
           and cpu_kernels.widen_bf16_prefill()):
         # XLA:CPU's bf16 dots run below its float32 ones where the CPU has no bf16 dot
         # instruction: widen both operands inside the step (once per prefill chunk) there; a
@@ -76,7 +78,7 @@ def _int8_dense(rows: Array, w, transposed: bool) -> Array:
     float32 inside the step and XLA's matmul: once per call, small beside a prefill's matmul."""
     if transposed:
         raise ValueError("dense: an Int8Weight is [n_in, n_out]; a transposed (tied) head is not quantised")
-    decode = (cpu_kernels.supports(rows.shape[0], rows.dtype, jnp.float32) and sharding.current_mesh() is None
+    decode = (cpu_kernels.supports(rows.shape[0], rows.dtype, jnp.int8) and sharding.current_mesh() is None
               and cpu_kernels.enabled())
     if w.is_dot:
         k, n = w.shape

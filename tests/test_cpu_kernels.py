@@ -181,17 +181,22 @@ def test_the_best_path_follows_the_cpu_flags():
 
 
 def test_rows_are_independent_of_the_batch_bitwise():
-    """A row's result does not depend on the other rows (the engine's slots): same order of
-    operations for every row count, on every path."""
+    """A row's result does not depend on the other rows (the engine's slots, a prefill chunk's
+    tokens): same order of operations for every row count, on every path. Past one block of 8
+    rows a weight wider than 1024 columns is cut into narrower tiles (matmul.cc), never into
+    other K slices: the 1100-column weights check that."""
     rng = np.random.default_rng(2)
-    x = jnp.asarray(rng.standard_normal((8, 300)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((40, 300)), jnp.float32)
     for wdtype in ("float32", "bfloat16"):
-        w = jnp.asarray(rng.standard_normal((300, 200)), wdtype)
-        for isa in paths_here():
-            full = np.asarray(cpu_kernels.matmul(x, w, isa=isa))
-            for rows in (1, 3, 5):
-                part = np.asarray(cpu_kernels.matmul(x[:rows], w, isa=isa))
-                np.testing.assert_array_equal(part, full[:rows], err_msg=f"{wdtype} {isa} {rows}")
+        for shape, transposed in (((300, 200), False), ((300, 1100), False), ((1100, 300), True)):
+            w = jnp.asarray(rng.standard_normal(shape), wdtype)
+            for isa in paths_here():
+                full = np.asarray(cpu_kernels.matmul(x, w, isa=isa, transposed=transposed))
+                for rows in (1, 3, 5, 8, 9, 16, 17, 32):
+                    part = np.asarray(cpu_kernels.matmul(x[:rows], w, isa=isa, transposed=transposed))
+                    np.testing.assert_array_equal(part, full[:rows], err_msg=f"{wdtype} {shape} {isa} {rows}")
+            assert_close(full, x, w.astype(jnp.float32).T if transposed else w.astype(jnp.float32),
+                         wdtype == "bfloat16" and cpu_kernels.best_isa() == "avx512bf16")
 
 
 def test_vmap_over_x_w_both_and_nested():
@@ -282,13 +287,20 @@ def test_env_caps_the_path_for_a_fallback(monkeypatch):
         cpu_kernels.matmul(x, w)
 
 
-def test_dense_sends_few_rows_to_the_kernel_and_prefill_to_xla(monkeypatch):
-    w = jnp.ones((64, 48), jnp.bfloat16)
-    def hlo(rows):  # a fresh function each time: the choice is made at trace time
-        return jax.jit(lambda x, w: ops.dense(x, w)).lower(jnp.ones((rows, 64), jnp.bfloat16), w).as_text()
+def test_dense_sends_decode_and_narrow_prefill_rows_to_the_kernel_and_wider_to_xla(monkeypatch):
+    """Up to 16 rows of float32 weights and 32 of bfloat16 (a one-row prefill chunk of 16 or 32
+    tokens) stream through the kernel; int8 weights stay at decode's 8 rows."""
+    assert (cpu_kernels.max_rows(jnp.float32), cpu_kernels.max_rows(jnp.bfloat16),
+            cpu_kernels.max_rows(jnp.int8), cpu_kernels.max_rows(jnp.float16)) == (16, 32, 8, 0)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        w = jnp.ones((64, 48), dtype)
 
-    assert cpu_kernels.TARGET in hlo(1) and cpu_kernels.TARGET in hlo(cpu_kernels.MAX_ROWS)
-    assert cpu_kernels.TARGET not in hlo(cpu_kernels.MAX_ROWS + 1)
+        def hlo(rows):  # a fresh function each time: the choice is made at trace time
+            return jax.jit(lambda x, w: ops.dense(x, w)).lower(jnp.ones((rows, 64), dtype), w).as_text()
+
+        limit = cpu_kernels.max_rows(dtype)
+        assert cpu_kernels.TARGET in hlo(1) and cpu_kernels.TARGET in hlo(limit), dtype
+        assert cpu_kernels.TARGET not in hlo(limit + 1), dtype
     monkeypatch.setenv("HYBRIDJAX_CPU_KERNELS", "0")
     assert cpu_kernels.TARGET not in hlo(1)
 
@@ -299,7 +311,8 @@ def test_bf16_prefill_widens_to_float32_where_the_cpu_has_no_bf16_dot(monkeypatc
     float32 mantissa), so both meet the float32 bound, transposed (the tied head) too."""
     rng = np.random.default_rng(14)
     w = jnp.asarray(rng.standard_normal((96, 80)), jnp.bfloat16)
-    x = jnp.asarray(rng.standard_normal((20, 96)), jnp.bfloat16)
+    rows = cpu_kernels.max_rows(jnp.bfloat16) + 8  # more than the kernel takes
+    x = jnp.asarray(rng.standard_normal((rows, 96)), jnp.bfloat16)
     want = cpu_kernels.best_isa() != "avx512bf16"
     monkeypatch.delenv("HYBRIDJAX_CPU_BF16_PREFILL", raising=False)
     assert cpu_kernels.widen_bf16_prefill() == want
@@ -485,9 +498,10 @@ def test_dense_streams_packed_panels_for_few_rows_and_xla_reads_the_plain_weight
     def hlo(rows):
         return jax.jit(lambda x, w: ops.dense(x, w)).lower(jnp.ones((rows, 64), jnp.bfloat16), pw).as_text()
 
-    assert cpu_kernels.TARGET_PACKED in hlo(1) and cpu_kernels.TARGET_PACKED in hlo(cpu_kernels.MAX_ROWS)
-    assert cpu_kernels.TARGET_PACKED not in hlo(cpu_kernels.MAX_ROWS + 1)
-    for rows in (1, 8, 9):
+    limit = cpu_kernels.max_rows(jnp.bfloat16)
+    assert cpu_kernels.TARGET_PACKED in hlo(1) and cpu_kernels.TARGET_PACKED in hlo(limit)
+    assert cpu_kernels.TARGET_PACKED not in hlo(limit + 1)
+    for rows in (1, 8, 9, limit, limit + 1):
         x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.bfloat16)
         y = jax.jit(lambda x, w: ops.dense(x, w, jnp.float32))(x, pw)
         assert_close(y, x, w.astype(jnp.float32), False)
@@ -529,7 +543,7 @@ def test_a_packed_weight_keeps_prefill_widened_where_prefill_widens(loaded, monk
     assert up.dtype == jnp.bfloat16 and up.w.dtype == (jnp.float32 if mode == "widen" else jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(cpu_kernels.plain_weight(up)), np.asarray(bf.layers[0].ffn.up))
 
-    rows = cpu_kernels.MAX_ROWS + 8  # a prefill's rows: XLA's matmul, not the decode kernel
+    rows = cpu_kernels.max_rows(jnp.bfloat16) + 8  # a wide prefill chunk's rows: XLA's matmul, not the kernel
     x = jnp.asarray(np.random.default_rng(3).standard_normal((rows, up.shape[0])), jnp.bfloat16)
 
     def weight_converts(w):  # bf16 -> f32 converts of a whole weight in the step lowered for CPU

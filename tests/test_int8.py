@@ -66,7 +66,7 @@ def test_dense_int8_rows_to_the_kernel_and_prefill_widened(monkeypatch):
     w = rng.standard_normal((96, 200)).astype(np.float32)
     iw = cpu_kernels.Int8Weight(*cpu_kernels.quantize_int8(w))
     ref_w = np.asarray(cpu_kernels.plain_weight(iw))
-    for rows in (1, 3, cpu_kernels.MAX_ROWS + 5):  # kernel, kernel, XLA
+    for rows in (1, 3, cpu_kernels.DECODE_ROWS + 5):  # kernel, kernel, XLA (int8: decode rows only)
         x = rng.standard_normal((rows, 96)).astype(np.float32)
         y = jax.jit(ops.dense)(x, iw)
         np.testing.assert_allclose(np.asarray(y), x @ ref_w, rtol=1e-4, atol=1e-4)

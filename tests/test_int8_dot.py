@@ -224,7 +224,7 @@ def test_dense_int8_dot_weight():
     check(jax.jit(ops.dense)(x, iw), x, qb, db, cpu_kernels.X_BLOCK)
     text = jax.jit(ops.dense).lower(jnp.zeros((1, 96)), iw).as_text()
     assert cpu_kernels.TARGET_Q8 in text
-    many = rng.standard_normal((cpu_kernels.MAX_ROWS + 5, 96)).astype(np.float32)  # prefill: XLA
+    many = rng.standard_normal((cpu_kernels.DECODE_ROWS + 5, 96)).astype(np.float32)  # prefill: XLA
     text = jax.jit(ops.dense).lower(jnp.zeros(many.shape), iw).as_text()
     assert cpu_kernels.TARGET_Q8 not in text
     got = np.asarray(jax.jit(ops.dense)(many, iw))

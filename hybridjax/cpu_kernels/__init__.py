@@ -1,4 +1,5 @@
-"""CPU kernels called through XLA's FFI: the small-row matmul that decode runs on.
+"""CPU kernels called through XLA's FFI: the small-row matmul that decode and narrow prefill
+chunks run on.
 
     y = matmul(x, w)              # x [..., R, K] float32 | bfloat16; w [K, N] float32 | bfloat16
     y = matmul(x, q, scale)       # q [K, N] int8, scale [N] float32: y = (x @ q) * scale
@@ -15,7 +16,8 @@
 A decode step reads every weight once per token, so it is bound by memory bandwidth, and
 XLA:CPU's one-row dots reach only part of it (bfloat16 ones ~2 GB/s: docs/architecture.md, Known traps).
 The kernel (matmul.cc) streams the weight in hybridjax's own `[in, out]` layout, so nothing is
-packed at load time and prefill keeps reading the same arrays with XLA's matmuls. Its paths,
+packed at load time and prefill reads the same arrays: its narrow chunks here (`max_rows`),
+wider ones with XLA's matmuls. Its paths,
 picked from cpuid at run time: "avx512bf16" (vdpbf16ps, bfloat16 weights), "avx512", "avx2",
 "scalar". Work items (column tiles, and slices of K for narrow weights) are shared out over
 XLA's intra-op threads.
@@ -55,9 +57,16 @@ TARGET = "hybridjax_cpu_matmul"
 TARGET_INDEXED = "hybridjax_cpu_matmul_indexed"
 TARGET_PACKED = "hybridjax_cpu_matmul_packed"
 TARGET_Q8 = "hybridjax_cpu_matmul_q8"
-# Rows up to which `dense` prefers the kernel (the engine's decode slots); prefill, with more
-# rows, keeps XLA's matmuls, which are compute-bound there and fast.
-MAX_ROWS = 8
+# Rows up to which `dense` prefers the kernel, by weight dtype: decode (the engine's slots, at
+# most DECODE_ROWS) and narrow prefill chunks, where XLA:CPU's small-M dots run below the
+# kernel's stream. A 16-token prefill of the 0.23B model took 0.8x the time in float32, and a
+# 16- or 32-token one 0.25-0.5x in bfloat16 (XLA widens the weight in every call); more rows keep
+# XLA's matmuls, compute-bound there and as fast or faster (benchmarks/README.md, "Narrow prefill
+# chunks on the kernel"). int8 weights stay at decode's rows: int8-dot rounds x to int8, so its
+# prefill keeps float32 activations.
+DECODE_ROWS = 8
+MAX_ROWS = 16
+MAX_ROWS_BF16 = 32
 # Output columns per work item (rounded to whole 32-column chunks) and slices of K; 0: the
 # kernel picks from the shape (about four items per weight, tiles >= 1024 columns wide).
 TILE_COLS = 0
@@ -149,13 +158,15 @@ def enabled() -> bool:
     return True
 
 
+def max_rows(w_dtype) -> int:
+    """Rows of x up to which `dense` sends x @ w (w of this dtype) to the kernel; 0: never."""
+    return {jnp.dtype(jnp.float32): MAX_ROWS, jnp.dtype(jnp.bfloat16): MAX_ROWS_BF16,
+            jnp.dtype(jnp.int8): DECODE_ROWS}.get(jnp.dtype(w_dtype), 0)
+
+
 def supports(rows: int, x_dtype, w_dtype) -> bool:
     """Whether `dense` should send rows of x @ w here: few rows, dtypes the kernel takes."""
-    return (
-        rows <= MAX_ROWS
-        and jnp.dtype(x_dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-        and jnp.dtype(w_dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-    )
+    return rows <= max_rows(w_dtype) and jnp.dtype(x_dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 def widen_bf16_prefill() -> bool:
