@@ -59,11 +59,11 @@ TARGET_PACKED = "hybridjax_cpu_matmul_packed"
 TARGET_Q8 = "hybridjax_cpu_matmul_q8"
 # Rows up to which `dense` prefers the kernel, by weight dtype: decode (the engine's slots, at
 # most DECODE_ROWS) and narrow prefill chunks, where XLA:CPU's small-M dots run below the
-# kernel's stream. A 16-token prefill of the 0.23B model took 0.8x the time in float32, and a
-# 16- or 32-token one 0.25-0.5x in bfloat16 (XLA widens the weight in every call); more rows keep
-# XLA's matmuls, compute-bound there and as fast or faster (benchmarks/README.md, "Narrow prefill
-# chunks on the kernel"). int8 weights stay at decode's rows: int8-dot rounds x to int8, so its
-# prefill keeps float32 activations.
+# kernel's stream. A 16-token prefill of the 0.23B model took 0.6-0.85x the time in float32 with
+# AVX-512 (about the same on the AVX2 path), and a 16- or 32-token one 0.25-0.65x in bfloat16
+# (XLA widens the weight in every call); more rows keep XLA's matmuls, compute-bound there and as
+# fast or faster (benchmarks/README.md, bench_narrow_prefill.py). int8 weights stay at decode's
+# rows: int8-dot rounds x to int8, so its prefill keeps float32 activations.
 DECODE_ROWS = 8
 MAX_ROWS = 16
 MAX_ROWS_BF16 = 32
