@@ -38,6 +38,10 @@ ROOT_SUBPACKAGES = ("pallas_kernels", "conversion")
 packages = find_packages(include=["hybridjax", "hybridjax.*"]) + [
     "hybridjax." + name for name in find_packages(include=[f"{p}{s}" for p in ROOT_SUBPACKAGES for s in ("", ".*")])
 ]
+# The embedded default model's files sit in a directory without __init__.py: listed as a package
+# of its own (its files as its package data, pyproject.toml), which is what setuptools wants of an
+# importable directory it installs (else a screenful of "Package would be ignored" in every install).
+packages += ["hybridjax.default_model.weights"]
 package_dir = {"hybridjax." + name: name for name in ROOT_SUBPACKAGES}
 
 setup(packages=packages, package_dir=package_dir, ext_modules=[matmul],

@@ -91,12 +91,18 @@ def test_docs_live_in_the_repository():
 def test_everything_installed_lives_under_the_hybridjax_name(tmp_path):
     """The kernels and the checkpoint converter once installed as top-level `pallas_kernels` and
     `conversion`, names another project could own. setuptools' build_py copies exactly the
-    packages a wheel (or a non-editable install) gets, from pyproject's own configuration."""
-    subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(tmp_path)], cwd=ROOT,
-                   check=True, capture_output=True)
+    packages a wheel (or a non-editable install) gets, from pyproject's own configuration. The
+    embedded default model's files come along, without setuptools' screenful of "Package would
+    be ignored" (its directory has no __init__.py) in the middle of a new user's `make run`."""
+    done = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(tmp_path)], cwd=ROOT,
+                          check=True, capture_output=True, text=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hybridjax"]
     assert (tmp_path / "hybridjax" / "pallas_kernels" / "gated_delta_rule" / "api.py").is_file()
     assert (tmp_path / "hybridjax" / "conversion" / "hf.py").is_file()
+    weights = ROOT / "hybridjax" / "default_model" / "weights"
+    assert sorted(p.name for p in (tmp_path / "hybridjax" / "default_model" / "weights").iterdir()) == sorted(
+        p.name for p in weights.iterdir())
+    assert "would be ignored" not in done.stdout + done.stderr
 
 
 def test_no_code_imports_the_old_top_level_names():
