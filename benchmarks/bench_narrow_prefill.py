@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +45,7 @@ from hybridjax.cache import init_cache  # noqa: E402
 from hybridjax import generate  # noqa: E402
 
 import bench_generate  # noqa: E402
-from bench_cpu_decode import kernel_path, loadavg  # noqa: E402
+from bench_cpu_decode import kernel_path, loadavg, median_time  # noqa: E402
 
 SHIPPED = (cpu_kernels.MAX_ROWS, cpu_kernels.MAX_ROWS_BF16)
 
@@ -59,12 +58,7 @@ def set_limits(kernel: bool) -> None:
 
 def median_ms(fn, repeats: int) -> float:
     jax.block_until_ready(fn())  # compile, first run
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
-    return float(np.median(times)) * 1e3
+    return float(np.median(median_time(lambda: jax.block_until_ready(fn()), repeats))) * 1e3
 
 
 def matmul_table(repeats: int) -> None:

@@ -85,6 +85,7 @@ enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 enum WType : int { kF32 = 0, kBF16 = 1, kI8 = 2 };
 
 constexpr int kMaxRows = 8;   // rows per register block
+constexpr int64_t kManyRowsTileCols = 1024;  // widest column tile past one block of rows
 // Weight rows per pass over a tile's partial sums, by rows of x and weight bytes. Each pass
 // loads and stores the sums once, so more rows of x want longer passes; but every weight row
 // in a pass is a separate memory stream. Measured on Zen 5 (benchmarks/README.md).
@@ -961,8 +962,6 @@ int64_t BatchIndex(ffi::AnyBuffer::Dimensions d, ffi::AnyBuffer::Dimensions yd, 
   return index;
 }
 
-constexpr int64_t kManyRowsTileCols = 1024;
-
 ffi::Error MatmulCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                       std::optional<ffi::AnyBuffer> scale, std::optional<ffi::AnyBuffer> index,
                       ffi::Result<ffi::AnyBuffer> y, int64_t isa_cap, int64_t max_threads,
@@ -1157,8 +1156,8 @@ ffi::Error MatmulCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   // the weight streams (with 8000-column tiles, sums in L2, the 32000-column head at 16 rows ran
   // at 0.78x XLA's speed; with 1024, 1.45x). Column tiles never change a sum, so the K slices
   // above stay those of the shape's own tiling and a row's result is the same at any row count.
-  if (tile_cols <= 0 && rows_per_group > hj::kMaxRows && tc > kManyRowsTileCols) tc = kManyRowsTileCols;
-  const int64_t tiles_now = (N + tc - 1) / tc;
+  if (tile_cols <= 0 && rows_per_group > hj::kMaxRows && tc > hj::kManyRowsTileCols) tc = hj::kManyRowsTileCols;
+  const int64_t item_tiles = (N + tc - 1) / tc;
   if (slices > 1) {
     plan->part.resize(plan->jobs.size() * slices * rows_per_group * N);
     for (size_t g = 0; g < plan->jobs.size(); ++g) plan->jobs[g].part = plan->part.data() + g * slices * rows_per_group * N;
@@ -1169,7 +1168,7 @@ ffi::Error MatmulCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   // 131 MB head at 16 rows went from 2.2x its 8-row time to 0.9x). Each item's sums are the same
   // either way.
   for (int g = 0; g < int(plan->jobs.size()); ++g)
-    for (int64_t t = 0; t < tiles_now; ++t)
+    for (int64_t t = 0; t < item_tiles; ++t)
       for (int64_t sl = 0; sl < slices; ++sl)
         for (int64_t r0 = 0; r0 < rows_per_group; r0 += hj::kMaxRows) {
           int rows = int(rows_per_group - r0 < hj::kMaxRows ? rows_per_group - r0 : hj::kMaxRows);
