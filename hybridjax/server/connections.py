@@ -8,6 +8,10 @@ subclassed), before any request reaches the app.
   and closed, so the server stays reachable and says why. The process's soft file limit is
   raised to its hard limit, and the bound kept below it.
 - A request body must arrive within the app's `body_timeout_s` (hybridjax.server.app, 408).
+- A connection closed while its request body is still arriving (that 408, or a 413) closes as
+  nginx's `lingering_close` does: our FIN after the response, then what the client still sends is
+  read and dropped for `LINGER_S`. A socket closed with unread bytes answers with a reset, and
+  the client's read then fails instead of returning the response it was sent.
 - A client that half-closes its side after sending (shutdown(SHUT_WR)) still gets its answer.
   uvicorn closes on EOF, but a client that left entirely sends the same FIN. To tell them apart
   the server writes an interim `100 Continue` (every HTTP/1.1 client must accept 1xx responses
@@ -30,7 +34,7 @@ log = logging.getLogger("hybridjax.server")
 
 # Descriptors kept free for everything but client connections (model files, logs, pipes).
 RESERVED_FILES = 64
-REFUSED_GRACE_S = 1.0  # a refused connection is closed this long after its 503 (the client reads it first)
+LINGER_S = 1.0  # a lingering close drains the client this long after our FIN (it reads our answer first)
 PROBE_DELAYS_S = (0.05, 0.3, 1.0, 3.0)  # after EOF: when to look for the reset a closed socket answers with
 TCP_CLOSE = 7  # tcpi_state after a reset (linux/tcp_states.h)
 
@@ -43,6 +47,35 @@ def _busy_response(limit: int) -> bytes:
     return head.encode() + body
 
 
+class LingeringTransport:
+    """The socket transport as uvicorn's protocol sees it, with one change: `close()` while the
+    client is still sending its request body lingers (`linger`)."""
+
+    def __init__(self, transport, protocol: "GuardedH11Protocol"):
+        self._transport, self._protocol = transport, protocol
+        self.lingering = False
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
+
+    def is_closing(self) -> bool:
+        return self.lingering or self._transport.is_closing()
+
+    def close(self) -> None:
+        if self._protocol.conn.their_state is h11.SEND_BODY and not self.is_closing():
+            self.linger()
+        else:
+            self._transport.close()
+
+    def linger(self) -> None:
+        """Send our FIN after what is written, drop what the client still sends (the protocol's
+        data_received), and close after LINGER_S, or at the client's FIN if sooner."""
+        self.lingering = True
+        self._transport.write_eof()
+        self._transport.resume_reading()
+        self._protocol.loop.call_later(LINGER_S, self._transport.close)
+
+
 class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with a header timeout and a connection bound (configure a subclass
     with `guarded_protocol`)."""
@@ -52,20 +85,17 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_made(self, transport) -> None:
         self._header_timer = None
-        self._refused = False
         self._waiting_in = None
-        super().connection_made(transport)
+        super().connection_made(LingeringTransport(transport, self))
         if len(self.connections) > self.max_connections:
-            self._refused = True
             log.warning("refused a connection: %d open (at most %d)", len(self.connections) - 1, self.max_connections)
-            transport.write(_busy_response(self.max_connections))
-            transport.write_eof()  # the 503, then our FIN; the socket closes a moment later
-            self.loop.call_later(REFUSED_GRACE_S, transport.close)
+            self.transport.write(_busy_response(self.max_connections))
+            self.transport.linger()  # the 503, our FIN, and the client reads it before the socket closes
             return
         self._arm_header_timer()
 
     def data_received(self, data: bytes) -> None:
-        if self._refused:
+        if self.transport.lingering:
             return
         super().data_received(data)
         if self._header_timer is not None and self.cycle is not self._waiting_in:
@@ -77,7 +107,7 @@ class GuardedH11Protocol(H11Protocol):
         not started, probe (a 100 Continue) whether it only half-closed; keep the connection
         open for the answer meanwhile. An answer already streaming finds out by writing."""
         cycle = self.cycle
-        if (self._refused or cycle is None or cycle.response_complete or cycle.more_body
+        if (self.transport.lingering or cycle is None or cycle.response_complete or cycle.more_body
                 or not hasattr(socket, "TCP_INFO")):
             return None  # nothing under way: close, as uvicorn does
         cycle.keep_alive = False  # close once answered: the client sends nothing more
