@@ -18,10 +18,12 @@ vocab 32000, untied head, 228 M params; built once into --model-dir if absent). 
              f32-xla      float32 weights, XLA's dots (HYBRIDJAX_CPU_KERNELS=0)
              f32-kernel   float32 weights, the kernel for the few-row matmuls
              bf16-kernel  bfloat16 weights, the kernel
-             bf16-packed  bfloat16 weights, the projections also kept as packed panels
-                          (cpu_kernels.pack_params: twice the weight memory; 3x where
-                          prefill widens: its copy is then float32), the kernel
-                          streaming the panels
+             bf16-packed  bfloat16 weights in `--pack-for-decode`'s layouts (cpu_kernels.
+                          pack_params): the projections also kept as packed panels (twice the
+                          weight memory; 3x where prefill widens: its copy is then float32),
+                          the kernel streaming the panels; on avx512 without AVX512_BF16 only
+                          prefill's float32 copy (WidenedWeight); where pack_params keeps
+                          nothing (scalar), panels anyway
              int8-kernel  weight-only int8 projections (cpu_kernels.quantize_params of the
                           float32 weights: q int8 + a float32 scale per output column), the
                           kernel's int8 path; embeddings and norms float32
@@ -272,7 +274,7 @@ def bytes_held(params) -> dict:
 
     from hybridjax import cpu_kernels
 
-    is_weight = lambda x: isinstance(x, (cpu_kernels.Int8Weight, cpu_kernels.PackedWeight))  # noqa: E731
+    is_weight = cpu_kernels.is_weight_layout
     held, weights = 0, 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(params, is_leaf=is_weight):
         name = getattr(path[-1], "name", None)
@@ -492,7 +494,8 @@ def main(argv=None) -> int:
             loaded[weights_of(name)] = (c, jax.block_until_ready(cpu_kernels.quantize_params(p, layout)))
         cfg, params = loaded[weights_of(name)]
         if name.endswith("-packed") or name.endswith("-packed-1t"):
-            params = jax.block_until_ready(cpu_kernels.pack_params(params, force=True))  # whatever the path
+            kept = cpu_kernels.pack_params(params)  # what --pack-for-decode keeps on this path
+            params = jax.block_until_ready(cpu_kernels.pack_params(params, force=True) if kept is params else kept)
         modes[name] = Mode(name, params, cfg, use_kernel, threads)
     prompt = bench_generate.prompt_tokens(a.prompt).tolist()
     print(f"decode, {len(modes)} modes x {a.repeats} rounds ...", file=sys.stderr, flush=True)

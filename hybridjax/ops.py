@@ -29,7 +29,9 @@ def dense(x: Array, w: Array, dtype=None, transposed: bool = False) -> Array:
 
     transposed: w is [n_out, n_in] (a tied embedding as the head), read in place.
     w may be a `cpu_kernels.PackedWeight` (`cpu_kernels.pack_params`): decode rows then stream
-    its packed bfloat16 panels, everything else reads its plain weight; or a
+    its packed bfloat16 panels, everything else reads its plain weight; a
+    `cpu_kernels.WidenedWeight`: decode rows stream its bf16 weight, prefill reads its float32
+    copy; or a
     `cpu_kernels.Int8Weight` (`cpu_kernels.quantize_params`): decode rows stream its int8 weight
     (int8-dot's packed panels: int8 x int8 dots, `cpu_kernels.matmul_q8`), more rows widen it to
     float32 for XLA's matmul.
@@ -45,8 +47,9 @@ def dense(x: Array, w: Array, dtype=None, transposed: bool = False) -> Array:
     rows = x.reshape(-1, n_in)
     xla = functools.partial(_xla_dot, transposed=transposed)
     packed = isinstance(w, cpu_kernels.PackedWeight)  # bf16 kept twice: [K, N] and decode's panels
+    widened = isinstance(w, cpu_kernels.WidenedWeight)  # bf16 kept twice: float32 for prefill, and itself
     # What XLA's matmuls read: a packed weight's `w` as held (float32 where prefill widens).
-    xla_w = w.w if packed else w
+    xla_w = w.w if packed or widened else w
     if isinstance(w, cpu_kernels.Int8Weight):
         y = _int8_dense(rows, w, transposed)
     elif (cpu_kernels.supports(rows.shape[0], x.dtype, w.dtype) and sharding.current_mesh() is None
@@ -55,6 +58,10 @@ def dense(x: Array, w: Array, dtype=None, transposed: bool = False) -> Array:
             n = w.shape[1]
             y = jax.lax.platform_dependent(rows, xla_w, w.panels, cpu=lambda r, _, p: cpu_kernels.matmul_packed(r, p, n),
                                            default=lambda r, w, _: xla(r, w))
+        elif widened:
+            kernel = functools.partial(cpu_kernels.matmul, transposed=transposed)
+            y = jax.lax.platform_dependent(rows, xla_w, w.bf16, cpu=lambda r, _, b: kernel(r, b),
+                                           default=lambda r, w, _: xla(r, w))
         else:
             kernel = functools.partial(cpu_kernels.matmul, transposed=transposed)
             y = jax.lax.platform_dependent(rows, xla_w, cpu=kernel, default=xla)
@@ -62,9 +69,9 @@ def dense(x: Array, w: Array, dtype=None, transposed: bool = False) -> Array:
           and cpu_kernels.widen_bf16_prefill()):
         # XLA:CPU's bf16 dots run below its float32 ones where the CPU has no bf16 dot
         # instruction: widen both operands inside the step (once per prefill chunk) there; a
-        # packed weight's float32 copy (`pack_params`) is widened already.
-        widened = functools.partial(_widened_dot, transposed=transposed)
-        y = jax.lax.platform_dependent(rows, xla_w, cpu=widened, default=xla)
+        # packed or widened weight's float32 copy (`pack_params`) is widened already.
+        widened_dot = functools.partial(_widened_dot, transposed=transposed)
+        y = jax.lax.platform_dependent(rows, xla_w, cpu=widened_dot, default=xla)
     else:
         y = xla(rows, xla_w)
     return y.astype(dtype or x.dtype).reshape(*lead, y.shape[-1])

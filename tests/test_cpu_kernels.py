@@ -562,10 +562,57 @@ def test_a_packed_weight_keeps_prefill_widened_where_prefill_widens(loaded, monk
     np.testing.assert_array_equal(prefill(packed), prefill(bf))
 
 
+def test_a_widened_weight_decodes_from_bf16_and_prefills_from_its_float32_copy(loaded, monkeypatch):
+    """`WidenedWeight` (pack_params on avx512 without AVX512_BF16; built by hand here, so every
+    CPU runs it): decode rows stream its bf16 weight through the kernel, bit for bit what the
+    plain bf16 weight gives; wider rows run XLA's float32 matmul on its float32 copy, converting
+    no weight in the step, bit for bit the widening path's numbers (bf16 x bf16 products are
+    exact in float32). So the model's prefill logits and greedy decode equal the plain bf16
+    model's exactly, and unpacking gives the bf16 weights back."""
+    monkeypatch.setenv("HYBRIDJAX_CPU_BF16_PREFILL", "widen")
+    cfg, params = loaded["qwen3_5_dense"]
+    bf = hybridjax.params.cast_params(params, "bfloat16")
+
+    def widen(path, leaf):
+        name = getattr(path[-1], "name", None) if path else None
+        if name in cpu_kernels.DENSE_WEIGHTS and getattr(leaf, "ndim", 0) == 2:
+            return cpu_kernels.WidenedWeight(leaf.astype(jnp.float32), leaf)
+        return leaf
+
+    wide = jax.tree_util.tree_map_with_path(widen, bf)
+    up, plain = wide.layers[0].ffn.up, bf.layers[0].ffn.up
+    assert up.dtype == jnp.bfloat16 and up.w.dtype == jnp.float32 and up.shape == plain.shape
+    back = cpu_kernels.unpack_params(wide)
+    assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(bf)
+    for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(bf)):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+
+    rng = np.random.default_rng(4)
+    dense = jax.jit(lambda x, w: ops.dense(x, w, jnp.float32))
+    k, n = up.shape
+    for rows in (1, cpu_kernels.max_rows(jnp.bfloat16), cpu_kernels.max_rows(jnp.bfloat16) + 8):
+        x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+        np.testing.assert_array_equal(np.asarray(dense(x, up)), np.asarray(dense(x, plain)))
+    text = jax.jit(lambda x, w: ops.dense(x, w)).lower(x, up).as_text()
+    assert f"(tensor<{k}x{n}xbf16>) -> tensor<{k}x{n}xf32>" not in text  # no weight converted per call
+    assert cpu_kernels.TARGET not in text
+    assert cpu_kernels.TARGET in jax.jit(lambda x, w: ops.dense(x, w)).lower(x[:1], up).as_text()
+
+    rows = cpu_kernels.max_rows(jnp.bfloat16) + 8
+    prompt = jnp.asarray(np.random.RandomState(5).randint(0, cfg.vocab_size, (1, rows)), jnp.int32)
+    fwd = jax.jit(functools.partial(hybridjax.forward, cfg=cfg))
+    np.testing.assert_array_equal(*(np.asarray(fwd(p, prompt, hybridjax.init_cache(cfg, 1, 64, capacity=64))[0])
+                                    for p in (wide, bf)))
+    prompts = [np.random.RandomState(s).randint(0, cfg.vocab_size, n).tolist() for s, n in ((1, 5), (2, 11))]
+    assert (generate(wide, cfg, prompts, max_new_tokens=8).token_lists()
+            == generate(bf, cfg, prompts, max_new_tokens=8).token_lists())
+
+
 def test_a_capped_path_makes_the_layout_choices_of_a_cpu_with_only_that_path(loaded, monkeypatch):
     """HYBRIDJAX_CPU_ISA caps the layouts as well as the calls (`isa()`): capped to avx2, any x86
     CPU packs bf16 panels, reads "int8" as int8-dot and widens bf16 prefill, as an AVX2-only CPU
-    does, so an AVX-512 machine runs (and tests) what AVX2 users get; capped to scalar it packs
+    does, so an AVX-512 machine runs (and tests) what AVX2 users get; capped to avx512 it keeps
+    only prefill's float32 copy (`WidenedWeight`) and weight-only int8; capped to scalar it packs
     nothing and keeps weight-only int8; a cap above the CPU's best gives the best."""
     need("avx2")
     _, params = loaded["qwen3_5_dense"]
@@ -579,6 +626,14 @@ def test_a_capped_path_makes_the_layout_choices_of_a_cpu_with_only_that_path(loa
     assert cpu_kernels.isa() == "avx2"
     assert packed(cpu_kernels.pack_params(bf))
     assert cpu_kernels.int8_mode("int8") == "int8-dot" and cpu_kernels.widen_bf16_prefill()
+    if "avx512" in paths_here():  # avx512 without bf16: panels would be read by AVX2 code
+        monkeypatch.setenv("HYBRIDJAX_CPU_ISA", "avx512")
+        up = cpu_kernels.pack_params(bf).layers[0].ffn.up
+        assert isinstance(up, cpu_kernels.WidenedWeight) and up.w.dtype == jnp.float32
+        assert not packed(cpu_kernels.pack_params(bf)) and cpu_kernels.int8_mode("int8") == "int8-wo"
+        monkeypatch.setenv("HYBRIDJAX_CPU_BF16_PREFILL", "direct")  # nothing to widen: nothing kept
+        assert cpu_kernels.pack_params(bf) is bf
+        monkeypatch.delenv("HYBRIDJAX_CPU_BF16_PREFILL")
     monkeypatch.setenv("HYBRIDJAX_CPU_ISA", "scalar")
     assert cpu_kernels.isa() == "scalar"
     assert cpu_kernels.pack_params(bf) is bf and cpu_kernels.int8_mode("int8") == "int8-wo"

@@ -91,7 +91,7 @@ DTYPE_HELP = "weights dtype (default: float32; on CPU bfloat16 prefills and deco
 PACK_HELP = ("with --dtype bfloat16 on one CPU device with AVX2 or AVX512_BF16: also keep the projections as packed "
              "panels that decode streams faster (about 2x float32's decode instead of 1.6x), at twice the "
              "bf16 weight memory; without AVX512_BF16 prefill's copy is kept in float32 (3x the bf16 bytes) "
-             "so that prefill runs at float32's speed")
+             "so that prefill runs at float32's speed (on AVX-512 without AVX512_BF16 only that copy)")
 
 QUANTIZE_MODES = ("int8", "int8-wo", "int8-dot")  # cpu_kernels.QUANTIZE_MODES (no import of the kernels here)
 QUANTIZE_HELP = ("int8: int8 projections (decode on CPU reads about a quarter of float32's weight bytes; "

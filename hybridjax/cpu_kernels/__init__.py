@@ -312,7 +312,8 @@ def matmul_indexed(x, w, index, *, transposed: bool = False, isa: str | None = N
 
 # Paths on which `pack_params` packs: avx512bf16 (vdpbf16ps on the pairs) and avx2 (a pair widened
 # by a shift and a mask: fewer uops per weight than the [K, N] path's widening, one stream per
-# panel). avx512 without bf16 keeps its [K, N] path (it would read panels with AVX2 code).
+# panel). avx512 without bf16 keeps its [K, N] path (it would read panels with AVX2 code); there
+# `pack_params` keeps only prefill's float32 copy beside it (`WidenedWeight`).
 PACKED_ISAS = ("avx2", "avx512bf16")
 PANEL = 32  # output columns per panel of a packed weight (two zmm registers of float32 sums)
 
@@ -608,6 +609,28 @@ class PackedWeight(_DecodeLayout):
 
 
 @jax.tree_util.register_pytree_node_class
+class WidenedWeight(_DecodeLayout):
+    """A bfloat16 weight [K, N] kept twice where the kernel's path reads bf16 [K, N] itself but
+    bf16 prefill widens to float32 (avx512 without AVX512_BF16: `pack_params`): `w` its exact
+    float32 widening for prefill's XLA matmuls, `bf16` the weight for decode's kernel. Prefill
+    then converts no weight per call (without it, 64-token bf16 chunks ran at 0.58x float32's
+    on such a CPU, benchmarks/README.md); decode streams the bf16 bytes as before. 6 bytes per
+    weight instead of 2. Its dtype is the weight's, bfloat16."""
+
+    fields = ("w", "bf16")
+
+    def __init__(self, w, bf16):
+        self.w, self.bf16 = w, bf16
+
+    @property
+    def dtype(self):
+        return self.bf16.dtype
+
+    def __repr__(self):
+        return f"WidenedWeight(shape={self.shape}, dtype={self.dtype})"
+
+
+@jax.tree_util.register_pytree_node_class
 class Int8Weight(_DecodeLayout):
     """A weight [K, N] in int8, in one of two layouts (`quantize_params`); `hybridjax.ops.dense`
     takes it in place of w.
@@ -674,6 +697,11 @@ def dequantize_int8_panels(p, s, k: int, n: int, block: int = X_BLOCK):
     return dequantize_int8_blocks(unpack_int8(p, k, n), unpack_block_scales(s, n).astype(jnp.float32), block)
 
 
+def is_weight_layout(x) -> bool:
+    """Whether x is a weight kept in a layout of this module (a pytree leaf for tree walks)."""
+    return isinstance(x, (PackedWeight, WidenedWeight, Int8Weight))
+
+
 def plain_weight(w):
     """w's plain [K, N] array, whether it is one, a `PackedWeight`, or an `Int8Weight`
     (dequantised to float32: int8-dot's from its block-quantised panels)."""
@@ -683,6 +711,8 @@ def plain_weight(w):
         return dequantize_int8(w.q, w.scale)
     if isinstance(w, PackedWeight):
         return w.w if w.w.dtype == w.dtype else w.w.astype(w.dtype)  # prefill's float32 copy: exact
+    if isinstance(w, WidenedWeight):
+        return w.bf16
     return w
 
 
@@ -694,35 +724,42 @@ DENSE_WEIGHTS = frozenset({
 
 
 def pack_params(params, force: bool = False):
-    """params with every bfloat16 [K, N] projection (DENSE_WEIGHTS) as a `PackedWeight`, so the
-    decode path streams packed panels. Run once, when the params are placed (single device).
+    """params with every bfloat16 [K, N] projection (DENSE_WEIGHTS) in the layouts that make this
+    CPU's decode and prefill fastest, at more memory. Run once, when the params are placed (single
+    device).
 
-    Does nothing (returns params) unless the kernel is enabled and the kernel's path (`isa()`) streams
-    panels fast (PACKED_ISAS: vdpbf16ps on avx512bf16; widened pairs on avx2); elsewhere the
-    panels would be read by the plain-C++ fallback. `force` packs anyway (tests of the fallback).
-
-    Where bf16 prefill widens to float32 (`widen_bf16_prefill`: no bf16 dot instruction), prefill's
-    copy is kept widened: XLA:CPU's convert runs single-threaded into fresh pages (0.4 G elements/s
-    in a prefill), about half of bf16 prefill's gap to float32 (per round 0.87x -> 0.92x of
-    float32's on AVX2); widened once here, prefill runs float32's matmuls on the same numbers
-    (benchmarks/README.md)."""
-    if not force and not (enabled() and isa() in PACKED_ISAS):
-        return params
+    Where the kernel's path (`isa()`) streams packed panels fast (PACKED_ISAS: vdpbf16ps on
+    avx512bf16; widened pairs on avx2), a `PackedWeight`: decode streams the panels. Where bf16
+    prefill widens to float32 (`widen_bf16_prefill`: no bf16 dot instruction), prefill's copy is
+    kept widened: XLA:CPU's convert runs single-threaded into fresh pages (0.4 G elements/s in a
+    prefill), about half of bf16 prefill's gap to float32 (per round 0.87x -> 0.92x of float32's
+    on AVX2); widened once here, prefill runs float32's matmuls on the same numbers
+    (benchmarks/README.md). On avx512 without AVX512_BF16, whose [K, N] path decodes faster than
+    panels read by AVX2 code, only that: a `WidenedWeight`. Elsewhere, or with the kernel off,
+    params are returned as they are. `force` packs panels anyway (tests of the fallback)."""
     wide = widen_bf16_prefill()
+    if force or (enabled() and isa() in PACKED_ISAS):
+        def layout(w):
+            return PackedWeight(w.astype(jnp.float32) if wide else w, _pack_bf16_jit(w))
+    elif enabled() and isa() == "avx512" and wide:
+        def layout(w):
+            return WidenedWeight(w.astype(jnp.float32), w)
+    else:
+        return params
 
     def pack(path, leaf):
         name = getattr(path[-1], "name", None) if path else None
-        if (name in DENSE_WEIGHTS and not isinstance(leaf, PackedWeight) and getattr(leaf, "ndim", 0) == 2
+        if (name in DENSE_WEIGHTS and not is_weight_layout(leaf) and getattr(leaf, "ndim", 0) == 2
                 and leaf.dtype == jnp.bfloat16):
-            return PackedWeight(leaf.astype(jnp.float32) if wide else leaf, _pack_bf16_jit(leaf))
+            return layout(leaf)
         return leaf
 
-    return jax.tree_util.tree_map_with_path(pack, params, is_leaf=lambda x: isinstance(x, PackedWeight))
+    return jax.tree_util.tree_map_with_path(pack, params, is_leaf=is_weight_layout)
 
 
 def unpack_params(params):
-    """The inverse of `pack_params`: every `PackedWeight` back to its plain weight."""
-    return jax.tree_util.tree_map(plain_weight, params, is_leaf=lambda x: isinstance(x, PackedWeight))
+    """The inverse of `pack_params`: every `PackedWeight` or `WidenedWeight` back to its plain weight."""
+    return jax.tree_util.tree_map(plain_weight, params, is_leaf=is_weight_layout)
 
 
 def quantize_int8(w):
@@ -772,10 +809,6 @@ def _int8_dot_panels(w):
     return pack_int8(q), pack_block_scales(d)
 
 
-def _is_weight_leaf(x) -> bool:
-    return isinstance(x, (PackedWeight, Int8Weight))
-
-
 def quantize_params(params, mode: str = "int8"):
     """params with every 2-d projection in INT8_WEIGHTS as an `Int8Weight`, computed from the weight
     as loaded; `mode` as in QUANTIZE_MODES: int8-wo keeps int8 with a scale per output column,
@@ -785,10 +818,10 @@ def quantize_params(params, mode: str = "int8"):
 
     def quantize(path, leaf):
         name = getattr(path[-1], "name", None) if path else None
-        if name in INT8_WEIGHTS and not _is_weight_leaf(leaf) and getattr(leaf, "ndim", 0) == 2:
+        if name in INT8_WEIGHTS and not is_weight_layout(leaf) and getattr(leaf, "ndim", 0) == 2:
             if dot:
                 return Int8Weight.from_panels(*_int8_dot_panels(leaf), leaf.shape)
             return Int8Weight(*_quantize_int8_jit(leaf))
         return leaf
 
-    return jax.tree_util.tree_map_with_path(quantize, params, is_leaf=_is_weight_leaf)
+    return jax.tree_util.tree_map_with_path(quantize, params, is_leaf=is_weight_layout)
