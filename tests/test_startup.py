@@ -10,6 +10,7 @@ compared token for token with the cold path (`generate` from scratch, greedy).
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import signal
 import socket
@@ -275,9 +276,10 @@ def test_a_set_up_from_a_snapshot_takes_its_first_run_once_the_row_read_exists(e
     assert {s for s, _ in runs} == {read, shape} and eng.calls.live_compiles == 0
 
 
-def test_a_restart_loads_executables_without_tracing_or_compiling(exe_dir):
+def test_a_restart_loads_executables_without_tracing_or_compiling(exe_dir, caplog):
     """A new process's engine (the registry cleared) finds every covering executable on disk:
-    start-up traces nothing and compiles nothing, and it serves the same tokens."""
+    start-up traces nothing and compiles nothing, and it serves the same tokens. Its ready line
+    says how many programs follow behind, and how many of them load rather than compile."""
     refs, long_ref = _references()
     engine_programs.clear_registry()
     eng = _engine(exe_dir)
@@ -285,14 +287,20 @@ def test_a_restart_loads_executables_without_tracing_or_compiling(exe_dir):
     eng._compile_behind = behind.extend
     eng.programs.ensure(("score", 1, 256))  # (kept by the first test's engine)
     before = len(_events)
-    eng.start(warmup=True)
-    try:
+    with caplog.at_level(logging.INFO, logger="hybridjax.engine"):
+        eng.start(warmup=True)
         assert eng.ready.wait(600)
+    try:
         assert _events[before:] == []  # no tracing, no compiling
         assert eng.startup["loaded"] == 9 and eng.startup["compiled"] == 0
         # what the first run kept loads behind before anything compiles: first in line
         kept = [s for s in behind if eng.programs.on_disk(s)]
         assert {("decode", 1, 1), ("prefill", 1, 32)} <= set(kept) and behind[:len(kept)] == kept
+        missing = [s for s in behind if not eng.programs.has(s)]
+        to_load = sum(map(eng.programs.on_disk, missing))
+        assert 0 < to_load < len(missing)
+        said = f"{len(missing)} more behind ({to_load} to load from disk, {len(missing) - to_load} to compile)"
+        assert said in caplog.text, caplog.text
         _serve_a_mix(eng, refs, long_ref)
         assert compiles_outside_the_compile_thread(before) == [] and eng.calls.live_compiles == 0
     finally:
