@@ -30,9 +30,9 @@ def dense(x: Array, w: Array, dtype=None, transposed: bool = False) -> Array:
     transposed: w is [n_out, n_in] (a tied embedding as the head), read in place.
     w may be a `cpu_kernels.PackedWeight` (`cpu_kernels.pack_params`): decode rows then stream
     its packed bfloat16 panels, everything else reads its plain weight; a
-    `cpu_kernels.WidenedWeight`: decode rows stream its bf16 weight, prefill reads its float32
-    copy; or a
-    `cpu_kernels.Int8Weight` (`cpu_kernels.quantize_params`): decode rows stream its int8 weight
+    `cpu_kernels.WidenedWeight` (also `pack_params`): decode rows stream its bf16 weight,
+    everything else reads its float32 copy; or a `cpu_kernels.Int8Weight`
+    (`cpu_kernels.quantize_params`): decode rows stream its int8 weight
     (int8-dot's packed panels: int8 x int8 dots, `cpu_kernels.matmul_q8`), more rows widen it to
     float32 for XLA's matmul.
 
@@ -54,16 +54,15 @@ def dense(x: Array, w: Array, dtype=None, transposed: bool = False) -> Array:
         y = _int8_dense(rows, w, transposed)
     elif (cpu_kernels.supports(rows.shape[0], x.dtype, w.dtype) and sharding.current_mesh() is None
             and cpu_kernels.enabled()):
+        kernel = functools.partial(cpu_kernels.matmul, transposed=transposed)
         if packed and not transposed:
             n = w.shape[1]
             y = jax.lax.platform_dependent(rows, xla_w, w.panels, cpu=lambda r, _, p: cpu_kernels.matmul_packed(r, p, n),
                                            default=lambda r, w, _: xla(r, w))
-        elif widened:
-            kernel = functools.partial(cpu_kernels.matmul, transposed=transposed)
+        elif widened:  # the kernel streams the bf16 weight, not the float32 copy
             y = jax.lax.platform_dependent(rows, xla_w, w.bf16, cpu=lambda r, _, b: kernel(r, b),
                                            default=lambda r, w, _: xla(r, w))
         else:
-            kernel = functools.partial(cpu_kernels.matmul, transposed=transposed)
             y = jax.lax.platform_dependent(rows, xla_w, cpu=kernel, default=xla)
     elif (w.dtype == jnp.bfloat16 and rows.shape[0] > cpu_kernels.DECODE_ROWS and sharding.current_mesh() is None
           and cpu_kernels.widen_bf16_prefill()):
