@@ -274,9 +274,8 @@ def bytes_held(params) -> dict:
 
     from hybridjax import cpu_kernels
 
-    is_weight = cpu_kernels.is_weight_layout
     held, weights = 0, 0
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params, is_leaf=is_weight):
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params, is_leaf=cpu_kernels.is_weight_layout):
         name = getattr(path[-1], "name", None)
         if name in cpu_kernels.DENSE_WEIGHTS and len(leaf.shape) == 2:
             held += sum(x.nbytes for x in jax.tree_util.tree_leaves(leaf))
