@@ -6,7 +6,7 @@ build of it, in one process, modes alternating round by round.
         --model-dir /tmp/bench_model [--repeats 3] [--new-tokens 64]
 
 The old library is loaded beside the current one and registered under another FFI target name
-(its attributes: isa, max_threads, tile_cols, transposed). Modes, for float32 and bfloat16
+(its attributes: isa, max_threads, tile_cols, k_slices, transposed). Modes, for float32 and bfloat16
 weights: `old` (the older build), `new-noslice` (the current build with the older tiling:
 columns only, about two tiles per thread, at least 512 wide, no slices of K: what the L2
 prefetch of the next pass bought), `new` (the current build, its own plan). Timed as single
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
         call = jax.ffi.ffi_call("hybridjax_cpu_matmul_old", out, vmap_method="expand_dims")
         args = (x, w) if scale is None else (x, w, scale)
         return call(*args, isa=np.int64(isa), max_threads=np.int64(max_threads), tile_cols=np.int64(tile_cols),
-                    transposed=bool(transposed))
+                    k_slices=np.int64(k_slices), transposed=bool(transposed))  # builds since K slices
 
     def noslice_call(x, w, scale, isa, max_threads, tile_cols, k_slices, transposed):
         n = w.shape[-2] if transposed else w.shape[-1]
