@@ -1085,15 +1085,18 @@ class Engine:
                 self.calls.warm = set(self.calls.ran)
         # Programs present but never run go behind too: their first run is made there.
         rest = [s for s in self.background_shapes() if not has(s) or s not in self.calls.ran]
-        rest.sort(key=lambda s: not on_disk(s))  # a restart loads all it kept (quick) before compiling
+        order = {s: i for i, s in enumerate(self.programs_of.loading())}  # a restart loads all it kept
+        rest.sort(key=lambda s: (not on_disk(s), order[s] if on_disk(s) else 0))  # (quick) before compiling
         missing = [s for s in rest if not has(s)]
+        early = len(self.background_shapes()) - len(missing)  # (loaded beside the weights: `preload`)
         to_load = sum(map(on_disk, missing))
         self.startup.update(ready_s=time.perf_counter() - t0, behind=len(missing))
         behind = ", ".join(f"{n} {how}" for n, how in ((to_load, "to load from disk"),
                                                        (len(missing) - to_load, "to compile")) if n)
         log.info("start-up: ready in %.1f s: %s; first runs %.1f s%s", self.startup["ready_s"],
                  self.startup.get("summary", "nothing prepared"),  # (a warm-up replaced by the caller)
-                 self.startup["first_runs_s"], f"; {len(missing)} more behind ({behind})" if missing else "")
+                 self.startup["first_runs_s"], (f"; {early} of the others in memory already" if early else "")
+                 + (f"; {len(missing)} more behind ({behind})" if missing else ""))
         self._compile_behind(rest)
 
     def _fail_all(self, error: Exception) -> None:

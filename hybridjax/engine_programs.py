@@ -260,8 +260,8 @@ def _launch_path(directory, launch: str) -> Path:
 
 
 def note_launch(directory, launch: str, key: str, shapes) -> None:
-    """Remember that a launch named `launch` (a digest of its model and settings) served from the
-    programs `shapes` of `key`, for the next such launch's `preload`."""
+    """Remember that a launch named `launch` (a digest of its model and settings) made the programs
+    `shapes` of `key`, in the order the next such launch's `preload` loads them."""
     path = _launch_path(directory, launch)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -273,12 +273,14 @@ def note_launch(directory, launch: str, key: str, shapes) -> None:
 
 
 def preload(directory, launch: str) -> threading.Thread | None:
-    """Start loading, on a thread, the kept programs the last launch named `launch` served from,
-    into the process's ProgramSet of their key, while the caller loads the weights: the engine
-    that computes the same key finds them present (a warm `hybridjax serve` of the 0.23B model:
-    ready in 4.15-4.23 s against 4.43-4.52 s loading them after the weights; what is left is
-    their first runs, which need the weights: benchmarks/README.md). A missing or unusable file
-    is left for the engine to compile."""
+    """Start loading, on a thread, the kept programs of the last launch named `launch` (those it
+    served from first, then the others in the order its engine made them behind), into the
+    process's ProgramSet of their key, while the caller loads the weights: the engine that
+    computes the same key finds them present (a warm `hybridjax serve` of the 0.23B model: ready
+    in 4.15-4.23 s against 4.43-4.52 s loading them after the weights; what is left is their first
+    runs, which need the weights: benchmarks/README.md). Loading stops once that engine exists
+    (claims the set): what is left, it loads itself, ahead or behind at low priority. A missing or
+    unusable file is left for the engine to compile."""
     try:
         noted = json.loads(_launch_path(directory, launch).read_text())
         key, shapes = str(noted["key"]), [tuple(s) for s in noted["shapes"]]
@@ -288,6 +290,8 @@ def preload(directory, launch: str) -> threading.Thread | None:
 
     def run():
         for shape in shapes:
+            if ps.claimed:  # the engine's own threads take over (its requests come first now)
+                break
             ps.ensure(shape, compile=False)
 
     thread = threading.Thread(target=run, name="hybridjax-preload", daemon=True)

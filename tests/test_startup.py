@@ -201,6 +201,19 @@ def test_one_rows_widest_prefill_chunk_compiles_first_behind():
     assert narrow.widest_prefill() in narrow.covering() and narrow.widest_prefill() not in narrow.background()
 
 
+def test_a_restart_loads_one_rows_prefill_chunks_right_after_the_covering_set():
+    # Loads cost about the same for any program, so a restart (preload beside the weights, then
+    # behind) takes what a user meets first: a long prompt's chunks (after a warm restart its
+    # 64-token tail went in 16-token ones while those loaded behind: 2x the later prompts).
+    shapes = Shapes(decode_buckets=(1, 2, 4), prefill_buckets=(1, 2, 4), prefill_chunk=256, speculative_tokens=0,
+                    max_len=4096)
+    order, n = shapes.loading(), len(shapes.covering())
+    assert order[:n] == shapes.covering() and sorted(order) == sorted(shapes.covering() + shapes.background())
+    assert order[n:n + 4] == [("prefill", 1, 256), ("prefill", 1, 128), ("prefill", 1, 64), ("prefill", 1, 32)]
+    others = [s for s in shapes.background() if s not in order[n:n + 4]]
+    assert order[n + 4:] == others  # then as they compile behind
+
+
 def test_a_server_process_freezes_what_start_up_made_then_and_after_ready_and_behind(exe_dir):
     # A full collection scans every tracked object (80-210 ms in a served process, a stall of the
     # engine thread and every request); frozen, the objects start-up made are left out of it.
@@ -302,6 +315,7 @@ def test_a_restart_loads_executables_without_tracing_or_compiling(exe_dir, caplo
         compile_too = f", {len(missing) - to_load} to compile" if len(missing) > to_load else ""
         said = f"{len(missing)} more behind ({to_load} to load from disk{compile_too})"
         assert said in caplog.text, caplog.text
+        assert "; 1 of the others in memory already;" in caplog.text  # the scoring piece ensured above
         _serve_a_mix(eng, refs, long_ref)
         assert compiles_outside_the_compile_thread(before) == [] and eng.calls.live_compiles == 0
     finally:
@@ -447,6 +461,11 @@ def test_a_launch_loads_the_programs_it_served_from_last_time_before_its_engine_
     assert other.ensure(shapes[0]) == "compiled"  # never the other key's programs
     again = engine_programs.program_set("small", lowerers, tmp_path)
     assert again.counters["loaded"] == 0 and not again.has(shapes[0])  # the unclaimed ones were dropped
+
+    engine_programs.clear_registry()  # the engine exists before its preload starts: its own threads load
+    claimed = engine_programs.program_set("small", lowerers, tmp_path)
+    engine_programs.preload(tmp_path, "launch-a").join()
+    assert claimed.counters["loaded"] == 0 and not any(map(claimed.has, shapes))
 
     assert engine_programs.preload(tmp_path, "never-launched") is None
     (tmp_path / "launches" / "garbled.json").write_text("{not json")

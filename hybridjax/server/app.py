@@ -145,7 +145,9 @@ def build_engine(sc: ServerConfig, cfg, params, tokenizer, name: str, calls=None
                     speculative_adaptive=sc.speculative_adaptive, calls=calls,
                     executable_dir=sc.executable_dir if calls is None else None)
     if sc.launch and sc.executable_dir and engine.programs is not None:
-        engine_programs.note_launch(sc.executable_dir, sc.launch, engine.programs.key, engine.covering_shapes())
+        # The next such launch loads these beside its weights (those it serves from, then the
+        # others): a first long prompt after a restart found its wide chunks still loading behind.
+        engine_programs.note_launch(sc.executable_dir, sc.launch, engine.programs.key, engine.programs_of.loading())
     return engine, store
 
 
