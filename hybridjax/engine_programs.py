@@ -273,8 +273,8 @@ def note_launch(directory, launch: str, key: str, shapes) -> None:
 
 
 def preload(directory, launch: str) -> threading.Thread | None:
-    """Start loading, on a thread, the kept programs of the last launch named `launch` (those it
-    served from first, then the others in the order its engine made them behind), into the
+    """Start loading, on a thread, the kept programs of the last launch named `launch` (in the
+    order it noted, `Shapes.loading`: those it serves from, then one row's prefill chunks), into the
     process's ProgramSet of their key, while the caller loads the weights: the engine that
     computes the same key finds them present (a warm `hybridjax serve` of the 0.23B model: ready
     in 4.15-4.23 s against 4.43-4.52 s loading them after the weights; what is left is their first

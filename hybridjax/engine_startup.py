@@ -94,7 +94,7 @@ class Shapes:
     def loading(self) -> list[tuple]:
         """The order a restart loads kept programs in (`engine_programs.preload`, then behind): the
         covering set, then one row's prefill chunks, widest first, then the others as they compile
-        behind. A load costs about the same for any program (0.2-0.4 s on 2 cores, the 0.23B
+        behind. A load costs about the same for any program (0.2-0.5 s of a core, the 0.23B
         model), so what a user meets first goes first: a long prompt's 64- or 128-token tail in
         16-token chunks made its first request 2x the later ones after a warm restart."""
         one_row = sorted((s for s in self.background() if s[0] == "prefill" and s[1] == 1), key=lambda s: -s[2])

@@ -295,19 +295,19 @@ HJ_AVX2 inline __m256 Load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(v)));
 }
 
+// Weight rows per pass on AVX2: four for one or two rows of x. On a Zen 3 (AVX2 only) eight
+// row streams per pass (and eight more prefetched) read a float32 weight at 0.74-0.87x of a plain
+// sequential read; four read 1.11-1.16x faster than eight (bench_kernel_bw, benchmarks/README.md).
+// The sums are the same: each column still runs over k in order, one FMA at a time.
+template <int M, typename T>
+constexpr int Avx2RowBlock() { return M <= 2 ? 4 : RowBlock<M, T>(); }
+
 // V vectors of 8 columns per step, so that each broadcast of x[r, k] feeds V FMAs: with one
 // vector per step (V = 1, what 5-8 rows use) every FMA paid a broadcast load beside it, and the
 // loop ran compute-bound for a few rows (int8 most: it also widens, two uops per 8 weights), at
 // about half the float32 path's bytes/s for int8 (benchmarks/README.md). V is chosen so that the sums
 // (M x V) and the weights (V) fit the 16 ymm registers. Per column the sum still runs over k in
 // order, one FMA at a time, so the results are those of the one-vector loop, bit for bit.
-// Weight rows per pass on AVX2: four for one or two rows of x. On a Zen 3 (AVX2 only) eight
-// row streams per pass (and eight more prefetched) read a float32 weight at 0.75-0.9x of a plain
-// sequential read; four read 1.07-1.16x faster than eight (bench_kernel_bw, benchmarks/README.md).
-// The sums are the same: each column still runs over k in order, one FMA at a time.
-template <int M, typename T>
-constexpr int Avx2RowBlock() { return M <= 2 ? 4 : RowBlock<M, T>(); }
-
 template <int M, typename T, int V>
 HJ_AVX2 void Avx2WideTile(const Job& j, int64_t row0, int64_t n0, int64_t n1, int64_t kb, int64_t ke, float* acc) {
   static_assert(M * V + V < 16, "sums and weights must fit the ymm registers");
