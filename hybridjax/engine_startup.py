@@ -97,8 +97,9 @@ class Shapes:
         behind. A load costs about the same for any program (0.2-0.5 s of a core, the 0.23B
         model), so what a user meets first goes first: a long prompt's 64- or 128-token tail in
         16-token chunks made its first request 2x the later ones after a warm restart."""
-        one_row = sorted((s for s in self.background() if s[0] == "prefill" and s[1] == 1), key=lambda s: -s[2])
-        return self.covering() + one_row + [s for s in self.background() if s not in one_row]
+        behind = self.background()
+        one_row = sorted((s for s in behind if s[0] == "prefill" and s[1] == 1), key=lambda s: -s[2])
+        return self.covering() + one_row + [s for s in behind if s not in one_row]
 
     def ready_buckets(self, name: str, tokens: int, has: Callable | None) -> list[int]:
         """The decode buckets whose `name` program exists (`has` None: all may run)."""
