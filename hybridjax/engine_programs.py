@@ -278,9 +278,9 @@ def preload(directory, launch: str) -> threading.Thread | None:
     process's ProgramSet of their key, while the caller loads the weights: the engine that
     computes the same key finds them present (a warm `hybridjax serve` of the 0.23B model: ready
     in 4.15-4.23 s against 4.43-4.52 s loading them after the weights; what is left is their first
-    runs, which need the weights: benchmarks/README.md). Loading stops once that engine exists
-    (claims the set): what is left, it loads itself, ahead or behind at low priority. A missing or
-    unusable file is left for the engine to compile."""
+    runs, which need the weights: benchmarks/README.md). Loading stops once an engine exists: one
+    of that key claims the set (what is left, it loads itself, ahead or behind at low priority),
+    one of another drops it. A missing or unusable file is left for the engine to compile."""
     try:
         noted = json.loads(_launch_path(directory, launch).read_text())
         key, shapes = str(noted["key"]), [tuple(s) for s in noted["shapes"]]
@@ -290,7 +290,9 @@ def preload(directory, launch: str) -> threading.Thread | None:
 
     def run():
         for shape in shapes:
-            if ps.claimed:  # the engine's own threads take over (its requests come first now)
+            with _REGISTRY_LOCK:  # an engine took the set over (its requests come first now), or
+                wanted = not ps.claimed and _REGISTRY.get(key) is ps  # dropped it (its key is another)
+            if not wanted:
                 break
             ps.ensure(shape, compile=False)
 

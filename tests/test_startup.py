@@ -438,7 +438,7 @@ def test_start_up_compiles_side_by_side_the_costliest_first(tmp_path):
     assert none.done == 0 and not none.programs.has(("decode", 2, 1))
 
 
-def test_a_launch_loads_the_programs_it_served_from_last_time_before_its_engine_exists(tmp_path):
+def test_a_launch_loads_the_programs_it_served_from_last_time_before_its_engine_exists(tmp_path, monkeypatch):
     shapes = [("decode", 2, 1), ("prefill", 1, 2)]
     lowerers = _small_programs().lowerers
     first = engine_programs.program_set("small", lowerers, tmp_path)
@@ -466,6 +466,24 @@ def test_a_launch_loads_the_programs_it_served_from_last_time_before_its_engine_
     claimed = engine_programs.program_set("small", lowerers, tmp_path)
     engine_programs.preload(tmp_path, "launch-a").join()
     assert claimed.counters["loaded"] == 0 and not any(map(claimed.has, shapes))
+
+    engine_programs.clear_registry()  # an engine of another key drops the set while it loads: it stops
+    first_load, go_on, ensure = threading.Event(), threading.Event(), engine_programs.ProgramSet.ensure
+
+    def held(self, shape, compile=True):
+        first_load.set()
+        go_on.wait(60)
+        return ensure(self, shape, compile)
+
+    monkeypatch.setattr(engine_programs.ProgramSet, "ensure", held)
+    loading = engine_programs.preload(tmp_path, "launch-a")
+    assert first_load.wait(60)
+    dropped = engine_programs._REGISTRY["small"]
+    engine_programs.program_set("other", lowerers, tmp_path)  # (drops the unclaimed "small" set)
+    go_on.set()
+    loading.join()
+    assert dropped.counters["loaded"] == 1  # the load under way ends; no other starts
+    monkeypatch.undo()
 
     assert engine_programs.preload(tmp_path, "never-launched") is None
     (tmp_path / "launches" / "garbled.json").write_text("{not json")
