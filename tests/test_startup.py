@@ -28,7 +28,7 @@ from hybridjax import engine as engine_module
 from hybridjax import engine_programs
 from hybridjax.default_model import tiny_test_model
 from hybridjax.engine import Engine, GenerationRequest
-from hybridjax.engine_startup import Shapes
+from hybridjax.engine_startup import Compiles, Shapes
 from hybridjax.prefix_cache import SnapshotStore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -619,6 +619,29 @@ def test_generate_keeps_compiled_programs_and_says_so_once(tmp_path):
     assert first.stderr.count("hybridjax: compiled ") == 1, first.stderr  # how many, how long
     assert "compiling" not in second.stderr and "compiled" not in second.stderr, second.stderr
     assert first.stdout == second.stdout and any(tmp_path.iterdir())
+
+
+def test_a_restarts_kept_one_row_prefill_chunks_load_behind_at_the_serving_priority(tmp_path):
+    """Behind, one row's prefill chunks kept on disk (a restart's, first in its loading order)
+    load at the serving priority; then the thread lowers its own: the rest, and every compile."""
+    lowerers = _small_programs().lowerers
+    kept = [("prefill", 1, 2), ("prefill", 1, 1)]
+    engine_programs.StartUp(engine_programs.program_set("kept", lowerers, tmp_path), kept, threads=1).run(
+        threading.Event())
+    engine_programs.clear_registry()  # a restart
+    ps = engine_programs.program_set("kept", lowerers, tmp_path)
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    priority = {}  # shape -> the making thread's nice value
+
+    def made(shape):
+        priority[shape] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    compiles = Compiles(ps, threading.Event(), made=made)
+    compiles.behind(kept + [("decode", 2, 1), ("prefill", 2, 1)])
+    compiles.thread.join(600)
+    low = min(before + 10, 19)
+    assert priority == {**{s: before for s in kept}, ("decode", 2, 1): low, ("prefill", 2, 1): low}
+    assert ps.counters["loaded"] == 2 and ps.counters["compiled"] == 2
 
 
 def test_the_thread_compiling_behind_yields_the_cpu_to_serving():
