@@ -6,6 +6,7 @@ Programs themselves (executables, kept on disk) are hybridjax.engine_programs'."
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import threading
@@ -167,12 +168,10 @@ class Compiles:
         self.queue.extend(shapes)
         if not shapes:
             return
-        ahead = 0  # made at the serving priority
-        for name, rows, tokens in shapes:
-            if (name, rows) != ("prefill", 1) or not (self.programs.has((name, rows, tokens))
-                                                     or self.programs.on_disk((name, rows, tokens))):
-                break
-            ahead += 1
+        def kept_one_row_prefill(s):
+            return s[:2] == ("prefill", 1) and (self.programs.has(s) or self.programs.on_disk(s))
+
+        ahead = len(list(itertools.takewhile(kept_one_row_prefill, shapes)))  # made at the serving priority
 
         def run():
             t0, n, made = time.perf_counter(), 0, 0
