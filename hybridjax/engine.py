@@ -1084,11 +1084,12 @@ class Engine:
             if self._runs_off_the_loop:  # and only what has run once
                 self.calls.warm = set(self.calls.ran)
         # Programs present but never run go behind too: their first run is made there.
-        rest = [s for s in self.background_shapes() if not has(s) or s not in self.calls.ran]
+        others = self.background_shapes()
+        rest = [s for s in others if not has(s) or s not in self.calls.ran]
         order = {s: i for i, s in enumerate(self.programs_of.loading())}  # a restart loads all it kept
         rest.sort(key=lambda s: (not on_disk(s), order[s] if on_disk(s) else 0))  # (quick) before compiling
         missing = [s for s in rest if not has(s)]
-        early = len(self.background_shapes()) - len(missing)  # (loaded beside the weights: `preload`)
+        early = len(others) - len(missing)  # (loaded beside the weights: `preload`)
         to_load = sum(map(on_disk, missing))
         self.startup.update(ready_s=time.perf_counter() - t0, behind=len(missing))
         behind = ", ".join(f"{n} {how}" for n, how in ((to_load, "to load from disk"),

@@ -24,6 +24,11 @@ log = logging.getLogger("hybridjax.engine")
 SCORE_PIECES = (16, 256)
 
 
+def one_row_prefill(shape: tuple) -> bool:
+    """A prefill chunk of one row: a long prompt's, what a restart loads first (`Shapes.loading`)."""
+    return shape[:2] == ("prefill", 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Shapes:
     """The programs of an engine's settings, as (step name, rows, tokens)."""
@@ -99,7 +104,7 @@ class Shapes:
         model), so what a user meets first goes first: a long prompt's 64- or 128-token tail in
         16-token chunks made its first request 2x the later ones after a warm restart."""
         behind = self.background()
-        one_row = sorted((s for s in behind if s[0] == "prefill" and s[1] == 1), key=lambda s: -s[2])
+        one_row = sorted(filter(one_row_prefill, behind), key=lambda s: -s[2])
         return self.covering() + one_row + [s for s in behind if s not in one_row]
 
     def ready_buckets(self, name: str, tokens: int, has: Callable | None) -> list[int]:
@@ -169,7 +174,7 @@ class Compiles:
         if not shapes:
             return
         def kept_one_row_prefill(s):
-            return s[:2] == ("prefill", 1) and (self.programs.has(s) or self.programs.on_disk(s))
+            return one_row_prefill(s) and (self.programs.has(s) or self.programs.on_disk(s))
 
         ahead = len(list(itertools.takewhile(kept_one_row_prefill, shapes)))  # made at the serving priority
 
