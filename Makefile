@@ -20,14 +20,27 @@ JAX011_VERSION := 0.11.2
 
 .PHONY: run test test-jax010 test-jax011 test-quick notebooks install install-test gpu-check gpu-check-dry-run clean
 
+# The runtime goes in with uv where it can: one resolve, parallel downloads and unpacking, so the
+# ~50 packages take seconds where pip took about a minute (benchmarks/README.md, issue 23). The
+# extension then builds (one core, ~25 s) while every module's bytecode compiles beside it. Where
+# uv is not at hand or cannot reach the index (a mirror only pip is set up for), pip does it all.
+UV_INSTALL := $(BIN)/uv pip install --quiet --python $(BIN)/python
+JAX010 := "jax>=0.10,<0.11" "jaxlib>=0.10,<0.11"
+
 $(RUNTIME): pyproject.toml setup.py hybridjax/cpu_kernels/matmul.cc
-	@echo "make: installing the runtime into $(VENV) (first time only, about a minute)"
+	@echo "make: installing the runtime into $(VENV) (first time only, under a minute)"
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	# jax first: the C++ extension (hybridjax/cpu_kernels) compiles against jaxlib's FFI headers;
-	# building in this venv skips an isolated build env with a jax of its own (~25 s)
-	$(BIN)/pip install --quiet "setuptools>=68" "jax>=0.10,<0.11" "jaxlib>=0.10,<0.11"  # the 0.10 line
-	$(BIN)/pip install --quiet --no-build-isolation -e .
+	# jax before the project: the C++ extension (hybridjax/cpu_kernels) compiles against jaxlib's
+	# FFI headers; building in this venv skips an isolated build env with a jax of its own (~25 s)
+	if $(BIN)/pip install --quiet uv && $(UV_INSTALL) "setuptools>=68" $(JAX010) -r pyproject.toml; then \
+	  $(BIN)/python -m compileall -q -j0 $(VENV)/lib > /dev/null & \
+	  $(UV_INSTALL) --no-deps --no-build-isolation -e .; built=$$?; wait; exit $$built; \
+	else \
+	  echo "make: installing with pip instead of uv (slower)"; \
+	  $(BIN)/pip install --quiet --upgrade pip && \
+	  $(BIN)/pip install --quiet "setuptools>=68" $(JAX010) && \
+	  $(BIN)/pip install --quiet --no-build-isolation -e .; \
+	fi
 	touch $(RUNTIME)
 
 $(TESTENV): $(RUNTIME)
