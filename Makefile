@@ -22,8 +22,9 @@ JAX011_VERSION := 0.11.2
 
 # The runtime goes in with uv where it can: one resolve, parallel downloads and unpacking, so the
 # ~50 packages take seconds where pip took about a minute (benchmarks/README.md, issue 23). The
-# extension then builds (one core, ~25 s) while every module's bytecode compiles beside it. Where
-# uv is not at hand or cannot reach the index (a mirror only pip is set up for), pip does it all.
+# extension then builds on one core (~25 s, the critical path) while every module's bytecode
+# compiles beside it at a lower priority. Where uv is not at hand or cannot reach the index (a
+# mirror only pip is set up for), pip does it all.
 UV_INSTALL := $(BIN)/uv pip install --quiet --python $(BIN)/python
 JAX010 := "jax>=0.10,<0.11" "jaxlib>=0.10,<0.11"
 
@@ -33,7 +34,7 @@ $(RUNTIME): pyproject.toml setup.py hybridjax/cpu_kernels/matmul.cc
 	# jax before the project: the C++ extension (hybridjax/cpu_kernels) compiles against jaxlib's
 	# FFI headers; building in this venv skips an isolated build env with a jax of its own (~25 s)
 	if $(BIN)/pip install --quiet uv && $(UV_INSTALL) "setuptools>=68" $(JAX010) -r pyproject.toml; then \
-	  $(BIN)/python -m compileall -q -j0 $(VENV)/lib > /dev/null & \
+	  nice -n 10 $(BIN)/python -m compileall -q -j0 $(VENV)/lib > /dev/null & \
 	  $(UV_INSTALL) --no-deps --no-build-isolation -e .; built=$$?; wait; exit $$built; \
 	else \
 	  echo "make: installing with pip instead of uv (slower)"; \
