@@ -117,20 +117,6 @@ def program_key(cfg, params, state, settings: dict) -> str:
 # --- one configuration's programs ------------------------------------------------------------
 
 
-# XLA:CPU hands a program's dots to YNNPACK, which builds each fusion's runtime at the
-# executable's first run, not when compiling: 0.4-0.6 s of one core for each wide prefill of the
-# 0.23B model (1x128: first run 0.95 s, later 0.54 s), which made the first long prompt after a
-# start 2x the later ones (issue 23). Without those fusions the first run is as the later ones and
-# prefill ran at 0.97-0.98x; decode did not (generate 0.80x), so only prefill and scoring go
-# without (benchmarks/README.md, "First runs").
-WITHOUT_LAZY_FUSIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
-
-
-def compiler_options(name: str) -> dict:
-    """XLA options for the program of step `name` (on CPU, prefill and scoring: no YNNPACK fusions)."""
-    return WITHOUT_LAZY_FUSIONS if name in ("prefill", "score") and jax.default_backend() == "cpu" else {}
-
-
 def shape_name(shape: tuple) -> str:
     name, rows, tokens = shape
     return f"{name}-{rows}x{tokens}"
@@ -198,12 +184,11 @@ class ProgramSet:
         lost; then it compiles again under a name of its own."""
         name, rows, tokens = shape
         hits = compile_cache.cache_hits()
-        options = compiler_options(name)
-        exe = self.lowerers[name](rows, tokens, self.key).compile(options)
+        exe = self.lowerers[name](rows, tokens, self.key).compile()
         if compile_cache.cache_hits() == hits:
             return exe
         log.info("%s was in JAX's compilation cache but not kept here: compiling it again to keep it", shape_name(shape))
-        return self.lowerers[name](rows, tokens, f"{self.key}_{secrets.token_hex(4)}").compile(options)
+        return self.lowerers[name](rows, tokens, f"{self.key}_{secrets.token_hex(4)}").compile()
 
     def on_disk(self, shape: tuple) -> bool:
         """A kept executable exists for `shape` (it may still turn out unusable)."""

@@ -322,24 +322,6 @@ def test_a_restart_loads_executables_without_tracing_or_compiling(exe_dir, caplo
         eng.stop()
 
 
-def test_prefill_compiles_without_the_fusions_that_build_at_a_first_run(tmp_path):
-    """XLA:CPU's YNNPACK fusions build their runtime at an executable's first run (0.4-0.6 s of a
-    wide prefill of the 0.23B model, the 2x of a first long prompt): the engine compiles prefill and
-    scoring without them. Decode keeps them (it runs every token; its first runs are made ahead)."""
-    if jax.default_backend() != "cpu":
-        pytest.skip("an XLA:CPU option")
-    engine_programs.clear_registry()  # a set of its own, compiled here
-    eng = _engine(tmp_path)
-    shape = ("prefill", 1, 16)
-    plain = eng.programs.lowerers["prefill"](1, 16, "plain").compile().as_text()
-    if "ynn" not in plain:
-        pytest.skip("this XLA makes no YNNPACK fusions of the prefill: nothing to leave out")
-    assert eng.programs.ensure(shape) == "compiled"
-    assert "ynn" not in eng.programs.get(shape).as_text()
-    assert engine_programs.compiler_options("score") == engine_programs.compiler_options("prefill") != {}
-    assert engine_programs.compiler_options("decode") == {}
-
-
 def test_a_corrupt_or_foreign_executable_is_compiled_again(tmp_path, monkeypatch):
     shape = ("copy_page", 1, 0)  # the cheapest program to compile
     engine_programs.clear_registry()
