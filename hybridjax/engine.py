@@ -145,7 +145,9 @@ def setup_row(calls, cfg: Config, state, row: int, gdn, logits, length: int, req
 # first run adds. Worth it for a call of about that cost or less. A wider prefill or scoring piece
 # (a forward of seconds on a large model) gets no first run ahead: the loop runs it when a request
 # needs it, and that request pays the extra (0.2-0.4 s for the 0.23B model's prefills, whose 1x256
-# takes ~0.9 s a call: measured from disk, first and later calls, benchmarks/README.md). Made
+# takes ~0.9 s a call: measured from disk, first and later calls, benchmarks/README.md; it is
+# XLA:CPU's YNNPACK building its fusions' runtime at the first run. Compiled without those fusions,
+# the first run was as the later ones, but every later call ran ~7% slower: bench_first_run.py). Made
 # ahead, its first runs took the cores from the requests being served (the XLA threads that run a
 # program are not the compiling thread's, which yields the CPU) for 25 s and more after a warm
 # restart, and before, a long prompt went in 16-token chunks while the 1x256's ran (2.70x the later
