@@ -24,7 +24,7 @@ JAX011_VERSION := 0.11.2
 # ~50 packages take seconds where pip took about a minute (benchmarks/README.md, issue 23). The
 # extension then builds on one core (~25 s, the critical path) while every module's bytecode
 # compiles beside it at a lower priority. Where uv is not at hand or cannot reach the index (a
-# mirror only pip is set up for), pip does it all.
+# mirror only pip is set up for), pip does it all (`make install UV_INSTALL=false` forces that).
 UV_INSTALL := $(BIN)/uv pip install --quiet --python $(BIN)/python
 JAX010 := "jax>=0.10,<0.11" "jaxlib>=0.10,<0.11"
 
