@@ -86,6 +86,7 @@ enum WType : int { kF32 = 0, kBF16 = 1, kI8 = 2 };
 
 constexpr int kMaxRows = 8;   // rows per register block
 constexpr int64_t kManyRowsTileCols = 1024;  // widest column tile past one block of rows
+constexpr int64_t kAvx2RowTileCols = 16384;  // widest tile for 1-2 rows on AVX2: 64 KB of sums a row
 // Weight rows per pass over a tile's partial sums, by rows of x and weight bytes. Each pass
 // loads and stores the sums once, so more rows of x want longer passes; but every weight row
 // in a pass is a separate memory stream. Measured on Zen 5 (benchmarks/README.md).
@@ -302,6 +303,14 @@ HJ_AVX2 inline __m256 Load8(const int8_t* p) {
 template <int M, typename T>
 constexpr int Avx2RowBlock() { return M <= 2 ? 4 : RowBlock<M, T>(); }
 
+// The next pass's rows are prefetched, except for a float32 weight and one or two rows of x. That
+// one is tiled in blocks of whole rows (MatmulCore), read in four-row passes that the hardware
+// prefetcher follows alone, and the prefetches cost: on a Zen 3, two threads read the 1024 x 32000
+// head at 14.6 GB/s with them and 19.9 without (benchmarks/README.md). bfloat16 and int8 widen
+// each weight and ran slower so (0.64-0.90x for int8): they keep their tiles and prefetches.
+template <int M, typename T>
+constexpr bool Avx2Prefetch() { return M > 2 || !std::is_same<T, float>::value; }
+
 // V vectors of 8 columns per step, so that each broadcast of x[r, k] feeds V FMAs: with one
 // vector per step (V = 1, what 5-8 rows use) every FMA paid a broadcast load beside it, and the
 // loop ran compute-bound for a few rows (int8 most: it also widens, two uops per 8 weights), at
@@ -327,7 +336,7 @@ HJ_AVX2 void Avx2WideTile(const Job& j, int64_t row0, int64_t n0, int64_t n1, in
         const T* p = w + k * j.n + c;
         __m256 wv[V];
         for (int g = 0; g < V; ++g) {
-          if (((c + 8 * g) * sizeof(T)) % 64 == 0) PrefetchNext(p + 8 * g + next * j.n);
+          if (Avx2Prefetch<M, T>() && ((c + 8 * g) * sizeof(T)) % 64 == 0) PrefetchNext(p + 8 * g + next * j.n);
           wv[g] = Load8(p + 8 * g);
         }
         for (int r = 0; r < M; ++r) {
@@ -342,7 +351,7 @@ HJ_AVX2 void Avx2WideTile(const Job& j, int64_t row0, int64_t n0, int64_t n1, in
       __m256 a[M];
       for (int r = 0; r < M; ++r) a[r] = _mm256_loadu_ps(acc + r * width + (c - n0));
       for (int64_t k = k0; k < k1; ++k) {
-        if ((c * sizeof(T)) % 64 == 0) PrefetchNext(w + (k + next) * j.n + c);
+        if (Avx2Prefetch<M, T>() && (c * sizeof(T)) % 64 == 0) PrefetchNext(w + (k + next) * j.n + c);
         __m256 wv = Load8(w + k * j.n + c);
         for (int r = 0; r < M; ++r) a[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * j.k + k]), wv, a[r]);
       }
@@ -1135,9 +1144,19 @@ ffi::Error MatmulCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   // that is descheduled on a busy machine hand work over. `tile_cols` / `k_slices` force a
   // tiling (tests use small ones to reach every edge).
   const bool big = K * N * int64_t(wbytes) >= (int64_t(1) << 18);
+  // A float32 weight on AVX2, one or two rows of x (decode): about four items, each the whole
+  // width (up to kAvx2RowTileCols columns) over a slice of K, so that an item is one block of
+  // whole weight rows read front to back (and without prefetches: Avx2Prefetch). On a Zen 3 that
+  // read 1.05-1.36x faster than 1024-8000-column tiles (benchmarks/README.md). The slices depend
+  // on the shape alone, so a row's result does not depend on the others; more rows take the
+  // narrower tiles below over the same slices.
+  const bool avx2_rows = big && !packed && !transposed && wtype == hj::kF32 && plan->isa == hj::kAvx2;
+  const int64_t avx2_tiles = (N + hj::kAvx2RowTileCols - 1) / hj::kAvx2RowTileCols;
   int64_t tc = N;
   if (tile_cols > 0) {
     tc = tile_cols;
+  } else if (avx2_rows && rows_per_group <= 2) {
+    tc = (N + avx2_tiles - 1) / avx2_tiles;
   } else if (big && packed) {
     // Packed: a tile of panels over the whole of K is one contiguous block, so cut only columns
     // (slices of K made each panel a run of a few KB: 0.8x the bytes/s of whole panels).
@@ -1151,7 +1170,7 @@ ffi::Error MatmulCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   tc = (tc + 31) / 32 * 32;
   if (tc < 32) tc = 32;
   const int64_t tiles = (N + tc - 1) / tc;
-  int64_t slices = k_slices > 0 ? k_slices : big && !packed ? (4 + tiles - 1) / tiles : 1;
+  int64_t slices = k_slices > 0 ? k_slices : avx2_rows ? (4 + avx2_tiles - 1) / avx2_tiles : big && !packed ? (4 + tiles - 1) / tiles : 1;
   if (transposed || K < 32) slices = 1;  // transposed tiles read whole rows of K
   if (slices > K / 16) slices = K / 16 > 0 ? K / 16 : 1;
   // Slice length: whole 16-row blocks (even, so a bf16 pair never straddles two slices); for
@@ -1183,7 +1202,7 @@ ffi::Error MatmulCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
           int64_t ke = (sl + 1) * ks < K ? (sl + 1) * ks : K;
           plan->items.push_back(hj::Item{g, r0, rows, t * tc, n1, sl * ks, ke, int(sl)});
         }
-  plan->tile_floats = int64_t(hj::kMaxRows) * tc;
+  plan->tile_floats = std::min<int64_t>(hj::kMaxRows, rows_per_group) * tc;
   if (plan->items.empty() || K == 0) {
     if (!experts || K == 0) std::memset(yp, 0, sizeof(float) * batch * R * N);
     return ffi::Error::Success();
