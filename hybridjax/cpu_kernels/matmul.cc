@@ -86,7 +86,7 @@ enum WType : int { kF32 = 0, kBF16 = 1, kI8 = 2 };
 
 constexpr int kMaxRows = 8;   // rows per register block
 constexpr int64_t kManyRowsTileCols = 1024;  // widest column tile past one block of rows
-constexpr int64_t kAvx2RowTileCols = 16384;  // widest tile for 1-2 rows on AVX2: 64 KB of sums a row
+constexpr int64_t kAvx2RowTileCols = 16384;  // widest weight read whole-width by 1-2 rows on AVX2
 // Weight rows per pass over a tile's partial sums, by rows of x and weight bytes. Each pass
 // loads and stores the sums once, so more rows of x want longer passes; but every weight row
 // in a pass is a separate memory stream. Measured on Zen 5 (benchmarks/README.md).
@@ -303,11 +303,11 @@ HJ_AVX2 inline __m256 Load8(const int8_t* p) {
 template <int M, typename T>
 constexpr int Avx2RowBlock() { return M <= 2 ? 4 : RowBlock<M, T>(); }
 
-// The next pass's rows are prefetched, except for a float32 weight and one or two rows of x. That
-// one is tiled in blocks of whole rows (MatmulCore), read in four-row passes that the hardware
-// prefetcher follows alone, and the prefetches cost: on a Zen 3, two threads read the 1024 x 32000
-// head at 14.6 GB/s with them and 19.9 without (benchmarks/README.md). bfloat16 and int8 widen
-// each weight and ran slower so (0.64-0.90x for int8): they keep their tiles and prefetches.
+// The next pass's rows are prefetched, except for a float32 weight and one or two rows of x: its
+// four-row passes over long row segments the hardware prefetcher follows alone, and the
+// prefetches cost (on a Zen 3, two threads read the 1024 x 32000 head at 14.6 GB/s with them and
+// 19.9 without: benchmarks/README.md). bfloat16 and int8 widen each weight and ran slower
+// without them (int8 0.64-0.90x).
 template <int M, typename T>
 constexpr bool Avx2Prefetch() { return M > 2 || !std::is_same<T, float>::value; }
 
@@ -1144,19 +1144,20 @@ ffi::Error MatmulCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   // that is descheduled on a busy machine hand work over. `tile_cols` / `k_slices` force a
   // tiling (tests use small ones to reach every edge).
   const bool big = K * N * int64_t(wbytes) >= (int64_t(1) << 18);
-  // A float32 weight on AVX2, one or two rows of x (decode): about four items, each the whole
-  // width (up to kAvx2RowTileCols columns) over a slice of K, so that an item is one block of
-  // whole weight rows read front to back (and without prefetches: Avx2Prefetch). On a Zen 3 that
-  // read 1.05-1.36x faster than 1024-8000-column tiles (benchmarks/README.md). The slices depend
-  // on the shape alone, so a row's result does not depend on the others; more rows take the
-  // narrower tiles below over the same slices.
-  const bool avx2_rows = big && !packed && !transposed && wtype == hj::kF32 && plan->isa == hj::kAvx2;
-  const int64_t avx2_tiles = (N + hj::kAvx2RowTileCols - 1) / hj::kAvx2RowTileCols;
+  // A float32 weight of up to kAvx2RowTileCols columns on AVX2, one or two rows of x (decode):
+  // four items, each the whole width over a slice of K, so that an item is one block of whole
+  // weight rows read front to back (without prefetches: Avx2Prefetch). On a Zen 3 that read
+  // 1.06-1.22x faster than 1024-column tiles (benchmarks/README.md). The slices depend on the
+  // shape alone, so a row's result does not depend on the others; more rows take the narrower
+  // tiles below over the same slices. A wider weight (a head) keeps the tiles below: over
+  // whole rows it ran alike with one or two rows, and 0.85-0.96x with four.
+  const bool avx2_rows = big && !packed && !transposed && wtype == hj::kF32 && plan->isa == hj::kAvx2 &&
+                         N <= hj::kAvx2RowTileCols;
   int64_t tc = N;
   if (tile_cols > 0) {
     tc = tile_cols;
   } else if (avx2_rows && rows_per_group <= 2) {
-    tc = (N + avx2_tiles - 1) / avx2_tiles;
+    tc = N;
   } else if (big && packed) {
     // Packed: a tile of panels over the whole of K is one contiguous block, so cut only columns
     // (slices of K made each panel a run of a few KB: 0.8x the bytes/s of whole panels).
@@ -1170,7 +1171,7 @@ ffi::Error MatmulCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   tc = (tc + 31) / 32 * 32;
   if (tc < 32) tc = 32;
   const int64_t tiles = (N + tc - 1) / tc;
-  int64_t slices = k_slices > 0 ? k_slices : avx2_rows ? (4 + avx2_tiles - 1) / avx2_tiles : big && !packed ? (4 + tiles - 1) / tiles : 1;
+  int64_t slices = k_slices > 0 ? k_slices : avx2_rows ? 4 : big && !packed ? (4 + tiles - 1) / tiles : 1;
   if (transposed || K < 32) slices = 1;  // transposed tiles read whole rows of K
   if (slices > K / 16) slices = K / 16 > 0 ? K / 16 : 1;
   // Slice length: whole 16-row blocks (even, so a bf16 pair never straddles two slices); for
