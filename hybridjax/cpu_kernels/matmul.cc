@@ -305,8 +305,8 @@ constexpr int Avx2RowBlock() { return M <= 2 ? 4 : RowBlock<M, T>(); }
 
 // The next pass's rows are prefetched, except for a float32 weight and one or two rows of x: its
 // four-row passes over long row segments the hardware prefetcher follows alone, and the
-// prefetches cost (on a Zen 3, two threads read the 1024 x 32000 head at 14.6 GB/s with them and
-// 19.9 without: benchmarks/README.md). bfloat16 and int8 widen each weight and ran slower
+// prefetches cost (on a Zen 3, two threads read the 1024 x 32000 head at 14.2 GB/s with them and
+// 19.7 without: benchmarks/README.md). bfloat16 and int8 widen each weight and ran slower
 // without them (int8 0.64-0.90x).
 template <int M, typename T>
 constexpr bool Avx2Prefetch() { return M > 2 || !std::is_same<T, float>::value; }
@@ -1146,11 +1146,12 @@ ffi::Error MatmulCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   const bool big = K * N * int64_t(wbytes) >= (int64_t(1) << 18);
   // A float32 weight of up to kAvx2RowTileCols columns on AVX2, one or two rows of x (decode):
   // four items, each the whole width over a slice of K, so that an item is one block of whole
-  // weight rows read front to back (without prefetches: Avx2Prefetch). On a Zen 3 that read
-  // 1.06-1.22x faster than 1024-column tiles (benchmarks/README.md). The slices depend on the
-  // shape alone, so a row's result does not depend on the others; more rows take the narrower
-  // tiles below over the same slices. A wider weight (a head) keeps the tiles below: over
-  // whole rows it ran alike with one or two rows, and 0.85-0.96x with four.
+  // weight rows read front to back (without prefetches: Avx2Prefetch). On a Zen 3 one row read
+  // 1024x2048 and 1024x3072 weights 1.19-1.34x faster than in 1024-column tiles
+  // (benchmarks/README.md). The slices depend on the shape alone, so a row's result does not
+  // depend on the others; more rows take the narrower tiles below over the same slices. A wider
+  // weight (a head) keeps the tiles below: over whole rows it ran alike with one or two rows,
+  // and 0.85-0.96x with four.
   const bool avx2_rows = big && !packed && !transposed && wtype == hj::kF32 && plan->isa == hj::kAvx2 &&
                          N <= hj::kAvx2RowTileCols;
   int64_t tc = N;
