@@ -220,8 +220,8 @@ def test_avx2_float32_decode_reads_whole_rows_over_fixed_slices():
         forced = np.asarray(cpu_kernels.matmul(x[:1], w, isa="avx2", tile_cols=1024, k_slices=slices))
         np.testing.assert_array_equal(one, forced, err_msg=f"{k}x{n}: not {slices} slices")
         other = slices - 1 if slices > 1 else 2
-        fewer = np.asarray(cpu_kernels.matmul(x[:1], w, isa="avx2", tile_cols=1024, k_slices=other))
-        assert not np.array_equal(one, fewer), f"{k}x{n}: {other} slices gave the same bits"
+        other_plan = np.asarray(cpu_kernels.matmul(x[:1], w, isa="avx2", tile_cols=1024, k_slices=other))
+        assert not np.array_equal(one, other_plan), f"{k}x{n}: {other} slices gave the same bits"
 
 
 def test_vmap_over_x_w_both_and_nested():
