@@ -86,7 +86,7 @@ enum WType : int { kF32 = 0, kBF16 = 1, kI8 = 2 };
 
 constexpr int kMaxRows = 8;   // rows per register block
 constexpr int64_t kManyRowsTileCols = 1024;  // widest column tile past one block of rows
-constexpr int64_t kAvx2RowTileCols = 16384;  // widest weight read whole-width by 1-2 rows on AVX2
+constexpr int64_t kAvx2WholeRowsCols = 16384;  // widest weight read whole-width by 1-2 rows on AVX2
 // Weight rows per pass over a tile's partial sums, by rows of x and weight bytes. Each pass
 // loads and stores the sums once, so more rows of x want longer passes; but every weight row
 // in a pass is a separate memory stream. Measured on Zen 5 (benchmarks/README.md).
@@ -336,7 +336,8 @@ HJ_AVX2 void Avx2WideTile(const Job& j, int64_t row0, int64_t n0, int64_t n1, in
         const T* p = w + k * j.n + c;
         __m256 wv[V];
         for (int g = 0; g < V; ++g) {
-          if (Avx2Prefetch<M, T>() && ((c + 8 * g) * sizeof(T)) % 64 == 0) PrefetchNext(p + 8 * g + next * j.n);
+          if (Avx2Prefetch<M, T>() && ((c + 8 * g) * sizeof(T)) % 64 == 0)
+            PrefetchNext(p + 8 * g + next * j.n);
           wv[g] = Load8(p + 8 * g);
         }
         for (int r = 0; r < M; ++r) {
@@ -1144,7 +1145,7 @@ ffi::Error MatmulCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   // that is descheduled on a busy machine hand work over. `tile_cols` / `k_slices` force a
   // tiling (tests use small ones to reach every edge).
   const bool big = K * N * int64_t(wbytes) >= (int64_t(1) << 18);
-  // A float32 weight of up to kAvx2RowTileCols columns on AVX2, one or two rows of x (decode):
+  // A float32 weight of up to kAvx2WholeRowsCols columns on AVX2, one or two rows of x (decode):
   // four items, each the whole width over a slice of K, so that an item is one block of whole
   // weight rows read front to back (without prefetches: Avx2Prefetch). On a Zen 3 one row read
   // 1024x2048 and 1024x3072 weights 1.19-1.34x faster than in 1024-column tiles
@@ -1153,7 +1154,7 @@ ffi::Error MatmulCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   // weight (a head) keeps the tiles below: over whole rows it ran alike with one or two rows,
   // and 0.85-0.96x with four.
   const bool avx2_rows = big && !packed && !transposed && wtype == hj::kF32 && plan->isa == hj::kAvx2 &&
-                         N <= hj::kAvx2RowTileCols;
+                         N <= hj::kAvx2WholeRowsCols;
   int64_t tc = N;
   if (tile_cols > 0) {
     tc = tile_cols;
