@@ -431,6 +431,10 @@ def test_start_up_compiles_side_by_side_the_costliest_first(tmp_path):
     assert all(ps.has(s) for s in shapes) and ps.counters["loaded"] == len(shapes)
     assert two.summary() == f"{len(shapes)} programs: {len(shapes)} loaded from disk"
 
+    present = engine_programs.StartUp(ps, shapes, threads=2)  # nothing to make: no helper thread
+    present.run(threading.Event())
+    assert present.threads == 1 and present.outcomes["present"] == len(shapes)
+
     cancelled = threading.Event()
     cancelled.set()  # the engine stopped: nothing new starts
     none = engine_programs.StartUp(_small_programs(), [("decode", 2, 1)], threads=2)
