@@ -261,7 +261,7 @@ def test_without_room_for_a_scratch_state_first_runs_are_the_idle_loops(exe_dir,
         assert eng.ready.wait(600) and eng.calls.warm is None
         first_runs = _record_first_runs(eng)
         del eng._compile_behind
-        made = [("decode", 1, 1), ("prefill", 1, 32)]  # kept on disk by the test above: loaded
+        made = [("decode", 1, 1), ("prefill", 2, 16)]  # kept on disk by the test above: loaded
         eng._compile_behind(made)
         eng._compiler.join(600)
         deadline = time.monotonic() + 60
@@ -291,8 +291,10 @@ def test_a_set_up_from_a_snapshot_takes_its_first_run_once_the_row_read_exists(e
 
 def test_a_restart_loads_executables_without_tracing_or_compiling(exe_dir, caplog):
     """A new process's engine (the registry cleared) finds every covering executable on disk:
-    start-up traces nothing and compiles nothing, and it serves the same tokens. Its ready line
-    says how many programs follow behind, and how many of them load rather than compile."""
+    start-up traces nothing and compiles nothing, and it serves the same tokens. It also has one
+    row's widest prefill chunk, kept by the first test's engine, loaded and run once before it
+    serves (a long prompt's). Its ready line says how many programs follow behind, and how many
+    of them load rather than compile."""
     refs, long_ref = _references()
     engine_programs.clear_registry()
     eng = _engine(exe_dir)
@@ -305,10 +307,12 @@ def test_a_restart_loads_executables_without_tracing_or_compiling(exe_dir, caplo
         assert eng.ready.wait(600)
     try:
         assert _events[before:] == []  # no tracing, no compiling
-        assert eng.startup["loaded"] == 9 and eng.startup["compiled"] == 0
+        widest = ("prefill", 1, ENGINE_KW["prefill_chunk"])
+        assert eng.startup["loaded"] == 9 + 1 and eng.startup["compiled"] == 0
+        assert widest in eng.calls.ran and widest not in behind
         # what the first run kept loads behind before anything compiles: first in line
         kept = [s for s in behind if eng.programs.on_disk(s)]
-        assert {("decode", 1, 1), ("prefill", 1, 32)} <= set(kept) and behind[:len(kept)] == kept
+        assert {("decode", 1, 1), ("prefill", 2, 16)} <= set(kept) and behind[:len(kept)] == kept
         missing = [s for s in behind if not eng.programs.has(s)]
         to_load = sum(map(eng.programs.on_disk, missing))  # (all of them, after the module's earlier tests)
         assert to_load > 0
