@@ -27,8 +27,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SETTINGS = ("default", "no-ynn")  # XLA's default options; no YNNPACK fusions
-WITHOUT_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
+# setting -> the YNNPACK fusion types compiled (None: XLA's default, which is individual dots and
+# reductions in jaxlib 0.10.2: the same fusions as "dots+reduce")
+SETTINGS = {"default": None, "no-ynn": "", "dots": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
+            "reduce": "LIBRARY_FUSION_TYPE_REDUCE"}
 
 
 def load() -> str:
@@ -45,7 +47,8 @@ def one_process(model_dir: str, setting: str, widths: list[int], runs: int) -> d
     from hybridjax.generate import _prefill_jit, _prepare_prefill
 
     cfg, params = hybridjax.load(model_dir, progress=False)
-    options = WITHOUT_YNN if setting == "no-ynn" else {}
+    types = SETTINGS[setting]
+    options = {} if types is None else {"xla_cpu_experimental_ynn_fusion_type": types}
     out = {}
     for width in widths:
         tokens = np.random.RandomState(width).randint(0, cfg.vocab_size, (1, width)).astype(np.int32)
@@ -66,9 +69,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="128,256,512", help="comma-separated prefill widths (one row)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--runs", type=int, default=5, help="calls per width and process (the first, then the later)")
+    ap.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {', '.join(SETTINGS)}")
     ap.add_argument("--child", help=argparse.SUPPRESS)  # SETTING: one process's measurement, as JSON
     a = ap.parse_args(argv)
     widths = [int(t) for t in a.tokens.split(",")]
+    settings = a.settings.split(",")
     if a.child:
         print(json.dumps(one_process(a.model_dir, a.child, widths, a.runs)))
         return 0
@@ -82,14 +87,14 @@ def main(argv=None) -> int:
         rows = []
         for r in range(a.rounds):
             got = {}
-            for setting in SETTINGS:
+            for setting in settings:
                 child = subprocess.run([sys.executable, __file__, "--child", setting, "--model-dir", model_dir,
                                         "--tokens", a.tokens, "--runs", str(a.runs)], check=True, capture_output=True,
                                        text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
                 got[setting] = {int(w): s for w, s in json.loads(child.stdout.splitlines()[-1]).items()}
             for width in widths:
                 later_default = statistics.median(got["default"][width][1:])
-                for setting in SETTINGS:
+                for setting in settings:
                     first, later = got[setting][width][0], statistics.median(got[setting][width][1:])
                     rows.append((r + 1, width, setting, first, later, first / later, later_default / later))
             print(f"round {r + 1} done, load {load()}", flush=True)

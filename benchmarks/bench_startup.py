@@ -1,7 +1,7 @@
 """Start-up as a user meets it: `hybridjax serve` in a subprocess, cold and warm, driven over HTTP.
 
     python benchmarks/bench_startup.py [--models default,qwen3.5] [--max-len N] [--code CHECKOUT --ready-only]
-                                       [--restart-early] [--json OUT]
+                                       [--kinds long,...] [--restart-early] [--json OUT]
 
 For each model, two launches on one fresh compile-cache directory: cold (empty: the covering
 programs compile before ready) and warm (a restart, once the cold launch has every program, as any
@@ -23,7 +23,8 @@ tokenizer serves them. Every warm response is checked against the cold run's (gr
 tokens). The server's own start-up lines (what it compiled, on how many threads, how long each
 took) are printed for each launch. The load average is printed beside the figures: on a shared
 machine other jobs slow compiling most. `--code` runs another checkout's server (an earlier
-commit, for a before/after on the same machine); `--ready-only`: launch figures only.
+commit, for a before/after on the same machine); `--ready-only`: launch figures only; `--kinds`: those
+kinds only, in that order (`--kinds long`: a long prompt right after the first answer, as at ready).
 """
 
 from __future__ import annotations
@@ -156,7 +157,7 @@ def kinds() -> dict:
             "echo + logprobs": echo}
 
 
-def run(model: str | None, cache: Path, max_len: int, name: str, logs: Path, code: Path, ready_only: bool,
+def run(model: str | None, cache: Path, max_len: int, name: str, logs: Path, code: Path, which: list[str],
         chat: bool, restart_early: bool = False) -> dict:
     log = logs / f"{name}.log"
     s = Served(model, cache, max_len, log, code, chat)
@@ -164,7 +165,9 @@ def run(model: str | None, cache: Path, max_len: int, name: str, logs: Path, cod
         kinds()["short request"](s, 0)
         out = {"ready": s.ready, "cpu to ready": s.cpu, "first answer": time.perf_counter() - s.t0, "load": load(),
                "kinds": {}}
-        for kind, fn in ({} if ready_only else kinds()).items():
+        every = kinds()
+        for kind in which:
+            fn = every[kind]
             times, answers = [], []
             for i in range(1 + LATER):
                 t = time.perf_counter()
@@ -221,11 +224,18 @@ def main(argv=None) -> int:
     ap.add_argument("--max-len", type=int, default=4096)
     ap.add_argument("--code", type=Path, default=ROOT, help="the checkout whose server runs (default: this one)")
     ap.add_argument("--ready-only", action="store_true", help="launch figures only, no request kinds")
+    ap.add_argument("--kinds", default="",
+                    help="comma-separated beginnings of the request kinds to time, in this order (e.g. 'long': the "
+                         "long prompt right after the first answer); default: every kind")
     ap.add_argument("--restart-early", action="store_true",
                     help="restart as soon as the cold launch's requests are answered (the programs still compiling "
                          "behind then compile in the warm launch too), not once every program exists")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    names = list(kinds())
+    which = [n for b in args.kinds.split(",") for n in names if n.startswith(b)] if args.kinds else names
+    if args.ready_only:
+        which = []
     print(f"load average at start: {load()}", flush=True)
     res: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -233,7 +243,7 @@ def main(argv=None) -> int:
             cache, logs = Path(tmp) / f"cache-{len(res)}", Path(tmp)
             r = res[model] = {}
             for launch in ("cold", "warm"):
-                r[launch] = run(path, cache, args.max_len, f"{model}-{launch}", logs, args.code, args.ready_only, chat,
+                r[launch] = run(path, cache, args.max_len, f"{model}-{launch}", logs, args.code, which, chat,
                                 args.restart_early)
                 every = r[launch].get("all programs")
                 print(f"{model} {launch}: ready {r[launch]['ready']:.1f} s, first answer {r[launch]['first answer']:.1f} s"
@@ -250,7 +260,7 @@ def main(argv=None) -> int:
         for k in ("cold", "warm"):
             print(f"| {model} | {k} | {r[k]['ready']:.1f} s | {r[k]['cpu to ready']:.1f} s | {r[k]['first answer']:.1f} s "
                   f"| {r[k]['load']} |")
-    if not args.ready_only:
+    if which:
         print("\n| model | request kind | cold: first | cold: later | ratio | warm: first | warm: later | ratio |"
               "\n|---|---|---:|---:|---:|---:|---:|---:|")
         for model, r in res.items():
