@@ -1,13 +1,15 @@
 """An executable's first run against its later runs: prefill as XLA:CPU compiles it by default,
-and compiled without YNNPACK fusions (`--xla_cpu_experimental_ynn_fusion_type=` as a compile option).
+without YNNPACK fusions, or with only one kind of them (`xla_cpu_experimental_ynn_fusion_type` as a
+compile option: `--settings default,no-ynn,dots,reduce`, all four by default).
 
     python benchmarks/bench_first_run.py [--model-dir DIR] [--tokens 128,256,512] [--rounds 2] [--runs 5]
+                                         [--settings default,no-ynn]
 
 XLA:CPU's YNNPACK fusions build their runtime at an executable's first run, not when compiling,
 so a server's first request of each width pays it (issue 23: the first long prompt after a start
 is up to 2x the later ones). Without those fusions the first run is as the later ones, but the
-later ones are slower: this script measures both sides of that trade (benchmarks/README.md, stop
-48). Each (round, setting) is a fresh process, as a server's start is: it loads the model
+later ones are slower: this script measures both sides of that trade (benchmarks/README.md, stops
+48 and 51). Each (round, setting) is a fresh process, as a server's start is: it loads the model
 (default: the 0.23B random Qwen3.5-shaped model of bench_multiturn), compiles
 `hybridjax.generate`'s prefill of one row of each width, and times its first `--runs` calls.
 Prints, per width: the first call, the median of the later ones, first / later, and the later
