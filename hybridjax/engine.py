@@ -1094,7 +1094,7 @@ class Engine:
         for shape in self.calls.unrun(ahead):  # the first requests meet no first run
             self._first_run(shape)
         self.startup["first_runs_s"] = time.perf_counter() - t1
-        if all(map(has, self.covering_shapes())):  # from now on the loop runs only what exists
+        if all(map(has, covering)):  # from now on the loop runs only what exists
             self.loop.has = self.calls.has  # (a warm-up the caller replaced: no, it compiles as it goes)
             if self._runs_off_the_loop:  # and only what has run once
                 self.calls.warm = set(self.calls.ran)
