@@ -1080,13 +1080,14 @@ class Engine:
             return
         has, on_disk = self.programs.has, self.programs.on_disk
         covering, ahead = self.covering_shapes(), self._ahead_shapes()
+        others = [s for s in self.background_shapes() if s not in ahead]
         present = sum(map(has, ahead))  # (loaded beside the weights: `engine_programs.preload`)
         kept = sum(on_disk(s) for s in ahead if not has(s))
+        with_widest = f" (with one row's widest prefill chunk: {len(ahead)})" if len(ahead) > len(covering) else ""
         log.log(logging.INFO if progress else logging.DEBUG, "start-up: %d programs serve every request%s: %s%d kept "
-                "on disk, %d to compile on %d threads; the other %d follow once serving", len(covering),
-                " (with one row's widest prefill chunk: %d)" % len(ahead) if len(ahead) > len(covering) else "",
+                "on disk, %d to compile on %d threads; the other %d follow once serving", len(covering), with_widest,
                 f"{present} in memory already, " if present else "", kept, len(ahead) - present - kept,
-                programs.compile_threads(), len(self.background_shapes()) - len(ahead) + len(covering))
+                programs.compile_threads(), len(others))
         self.warmup(progress, ahead)
         if self._cancel.is_set():
             return
@@ -1099,7 +1100,6 @@ class Engine:
             if self._runs_off_the_loop:  # and only what has run once
                 self.calls.warm = set(self.calls.ran)
         # Programs present but never run go behind too: their first run is made there.
-        others = [s for s in self.background_shapes() if s not in ahead]
         rest = [s for s in others if not has(s) or s not in self.calls.ran]
         order = {s: i for i, s in enumerate(self.programs_of.loading())}  # a restart loads all it kept
         rest.sort(key=lambda s: (not on_disk(s), order[s] if on_disk(s) else 0))  # (quick) before compiling
