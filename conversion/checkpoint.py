@@ -2,8 +2,8 @@
 
 A checkpoint directory holds:
 
-    params/            orbax (tensorstore, zarr3 + ocdbt, uncompressed) checkpoint of the Params pytree,
-                       `extra` (mtp.* tensors) included
+    params/            orbax (tensorstore, zarr3, uncompressed, one directory per array) checkpoint of
+                       the Params pytree, `extra` (mtp.* tensors) included
     config.json        the source's HF config.json, byte for byte (so `load_config` reads it)
     hybridjax.json     marker: format, version, dtype, every array's shape, the extra tensors,
                        the dtype to write the gates back to HF in, notes on the source
@@ -11,7 +11,9 @@ A checkpoint directory holds:
 
 Loading first checks the shapes the marker recorded against `param_shapes(cfg)` (so an edited
 config.json is caught and every mismatching leaf named), then restores into those abstract
-shapes, a layer or so at a time. Every writer goes through `staged_dir`: output is built in a
+shapes: each array stored whole in the dtype wanted is mapped from its file without a copy
+(`conversion.mapped`), the others are read a layer or so at a time. Checkpoints written before
+(orbax's OCDBT layout) load as they did, through orbax. Every writer goes through `staged_dir`: output is built in a
 hidden sibling directory and renamed into place at the end, so a failure never leaves a
 half-written `out`.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -34,6 +37,7 @@ import numpy as np
 
 from hybridjax.conversion.hf import (CheckpointError, assemble, flat_leaves, has_mtp, leaf_shapes, load_hf, open_hf, path_str,
                            read_params)
+from hybridjax.conversion.mapped import map_arrays
 from hybridjax.conversion.progress import Progress, TensorBar, load_progress
 from hybridjax.config import Config, load_config, read_json
 from hybridjax.params import FLOAT32_LEAVES, Params, is_shape, param_shapes
@@ -124,11 +128,25 @@ def read_marker(path: Path) -> dict:
 # --- orbax ------------------------------------------------------------------------------
 
 
+class _NoMergeNote(logging.Filter):
+    """Drops the warning orbax (0.12) logs on every save without OCDBT: that it found no OCDBT
+    files to merge. There are none by design (`_checkpointer`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Skipping merge of OCDBT checkpoints" not in record.getMessage()
+
+
 def _checkpointer():
     import orbax.checkpoint as ocp
 
-    # Weights barely compress (random mantissas) and zstd costs load time; store them raw.
-    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True, use_compression=False))
+    absl = logging.getLogger("absl")
+    if not any(isinstance(f, _NoMergeNote) for f in absl.filters):
+        absl.addFilter(_NoMergeNote())
+
+    # Weights barely compress (random mantissas) and zstd costs load time; store them raw, each
+    # array in its own file (no OCDBT), so that a load maps them (`conversion.mapped`). A restore
+    # reads either layout.
+    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True, use_compression=False))
 
 
 def abstract_params(cfg: Config, dtype, extra: dict[str, dict], mtp: bool = False, mesh=None) -> Params:
@@ -181,17 +199,27 @@ class CheckpointReader:
         self.dtype = jnp.dtype(dtype or self.info["dtype"])
         self.mesh = mesh
         self.target = abstract_params(self.cfg, self.dtype, self.info["extra"], has_mtp(self.info["shapes"]), mesh)
-        self._ckpt = _checkpointer()
+        self._ckpt = None  # orbax's, made when first needed: a load that maps every array never imports it
+        self.counts = {"mapped": 0, "restored": 0}  # how the last `restore` read its leaves
 
     def restore(self, progress: Progress | None = None) -> Params:
-        """Every param as a device array. Restored as host arrays a layer or so at a time and
-        placed one by one, so the transient beyond the model stays near one layer (orbax's own
-        full restore holds a host copy of everything: measured 1.7x the model, this ~1.35x).
-        `progress(steps, total_bytes)` returns a callback taking the bytes of each leaf restored."""
+        """Every param as a device array. On one device, each array stored whole in the dtype
+        wanted is its file, mapped (`conversion.mapped`); the rest are restored as host arrays a
+        layer or so at a time and placed one by one, so the transient beyond the model stays near
+        one layer (orbax's own full restore holds a host copy of everything: measured 1.7x the
+        model, this ~1.35x). `progress(steps, total_bytes)` returns a callback taking the bytes of
+        each leaf read."""
+        targets = flat_leaves(self.target)
+        step = progress(len(targets), sum(x.size * x.dtype.itemsize for x in targets.values())) if progress else None
         leaves: dict[str, jax.Array] = {}
-        targets = jax.tree_util.tree_leaves(self.target)
-        step = progress(len(targets), sum(x.size * x.dtype.itemsize for x in targets)) if progress else None
-        for item in self._batches():
+        if self.mesh is None:
+            wanted = {path: (x.shape, x.dtype) for path, x in targets.items()}
+            leaves = {path: jax.device_put(x) for path, x in map_arrays(self.params_dir, wanted).items()}
+            if step:
+                for x in leaves.values():
+                    step(x.nbytes)
+        self.counts = {"mapped": len(leaves), "restored": len(targets) - len(leaves)}
+        for item in self._batches(skip=set(leaves)):
             got = (self.sharded(item) if self.mesh is not None else
                    {path: jax.device_put(x) for path, x in self.host(item).items()})
             leaves.update(got)
@@ -252,9 +280,10 @@ class CheckpointReader:
             item["mtp"] = t.mtp
         return item
 
-    def _batches(self) -> list[dict]:
+    def _batches(self, skip: set[str] = frozenset()) -> list[dict]:
         """top + extra + mtp, then runs of layers of about 1/32 of the model each (a restore call
-        costs ~40 ms, so a 48-layer model does not pay 48 of them)."""
+        costs ~40 ms, so a 48-layer model does not pay 48 of them), without the leaves in `skip`
+        (by dotted path) and without batches left empty."""
         size = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))  # noqa: E731
         budget = size(self.target) / 32
         batches, run, run_bytes = [self._item(top=True, extra=True, mtp=True)], [], 0
@@ -264,9 +293,12 @@ class CheckpointReader:
             if run_bytes >= budget or i == len(self.target.layers) - 1:
                 batches.append(self._item(layers=tuple(run)))
                 run, run_bytes = [], 0
-        return batches
+        pruned = (jax.tree_util.tree_map_with_path(lambda p, x: None if path_str(p) in skip else x, b) for b in batches)
+        return [b for b in pruned if jax.tree_util.tree_leaves(b)]
 
     def _restore(self, args):
+        if self._ckpt is None:
+            self._ckpt = _checkpointer()
         try:
             return self._ckpt.restore(self.params_dir, args=args)
         except (ValueError, KeyError, FileNotFoundError) as e:

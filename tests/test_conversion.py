@@ -245,6 +245,99 @@ def test_load_either_kind_keeps_or_casts_dtype(hf_dirs, converted, tmp_path):
     assert hybridjax.load_config(converted["qwen3_5_dense"]) == cfg
 
 
+def mapped_files(x: jax.Array) -> set[str]:
+    """The files whose mappings in this process hold the buffer of `x` (Linux: /proc/self/maps)."""
+    ptr = x.unsafe_buffer_pointer()
+    found = set()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, *rest = line.split()
+        lo, hi = (int(v, 16) for v in span.split("-"))
+        if lo <= ptr < hi and len(rest) == 5:
+            found.add(rest[4])
+    return found
+
+
+def test_a_load_maps_each_array_from_its_file(converted, loaded):
+    """On one device a converted checkpoint's arrays are their files' pages, mapped copy-on-write
+    (no copy, no orbax): each leaf's buffer lies in a mapping of its own shard file, and the
+    values are the HF load's (test_checkpoint_loads_the_same_params checks every architecture)."""
+    reader = ckpt_mod.CheckpointReader(converted["qwen3_5_multimodal"])
+    params = reader.restore()
+    leaves = conversion.hf.flat_leaves(params)
+    assert reader.counts == {"mapped": len(leaves), "restored": 0} and any(p.startswith("extra.") for p in leaves)
+    for path, x in leaves.items():
+        shard = reader.params_dir / path / "c" / "/".join("0" * x.ndim)
+        assert mapped_files(x) == {str(shard)}, path
+    leaves_equal(params.replace(extra={}), loaded["qwen3_5_multimodal"][1].replace(extra={}))
+
+
+def test_a_donated_mapped_array_leaves_its_file_alone(converted, tmp_path):
+    """Copy-on-write: a program that donates a mapped weight and writes its buffer changes neither
+    the file nor a later load."""
+    ck = shutil.copytree(converted["qwen3_5_dense"], tmp_path / "ck")
+    _, params = hybridjax.load(ck)
+    before = np.asarray(params.embed).copy()
+    assert mapped_files(params.embed)
+    bumped = jax.jit(lambda w: w + 1.0, donate_argnums=0)(params.embed)
+    np.testing.assert_array_equal(np.asarray(bumped), before + 1.0)
+    _, again = hybridjax.load(ck)
+    np.testing.assert_array_equal(np.asarray(again.embed), before)
+
+
+def test_a_checkpoint_replaced_while_loaded_keeps_the_loaded_weights(hf_dirs, converted, tmp_path):
+    """`--force` writes a new directory and renames it into place: a model still mapping the old
+    files keeps their data, and a new load reads the new checkpoint."""
+    ck = shutil.copytree(converted["qwen3_5_dense"], tmp_path / "ck")
+    _, params = hybridjax.load(ck)
+    before = np.asarray(params.layers[0].ffn.gate).copy()
+    convert(bf16_copy(hf_dirs["qwen3_5_dense"], tmp_path / "bf16"), ck, "--force")
+    np.testing.assert_array_equal(np.asarray(params.layers[0].ffn.gate), before)
+    _, now = hybridjax.load(ck)
+    assert now.layers[0].ffn.gate.dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(np.asarray(now.layers[0].ffn.gate), before.astype(ml_dtypes.bfloat16))
+
+
+def test_other_layouts_and_dtypes_are_read_by_orbax(converted, tmp_path):
+    """What is not mapped is restored as before: a checkpoint in orbax's OCDBT layout (how
+    conversions wrote them until stop 52), and any array wanted in a dtype other than stored."""
+    import orbax.checkpoint as ocp
+
+    ck = converted["qwen3_5_dense"]
+    reader = ckpt_mod.CheckpointReader(ck)
+    ref = reader.restore()
+    old = shutil.copytree(ck, tmp_path / "ocdbt", ignore=shutil.ignore_patterns("params"))
+    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True, use_compression=False)
+    ocp.Checkpointer(handler).save((old / "params").absolute(), args=ocp.args.PyTreeSave(ref))
+    assert (old / "params" / "manifest.ocdbt").is_file()
+    reader = ckpt_mod.CheckpointReader(old)
+    leaves_equal(reader.restore(), ref)
+    assert reader.counts["mapped"] == 0
+    reader = ckpt_mod.CheckpointReader(ck, dtype="bfloat16")
+    params = reader.restore()
+    gates = sum(p.rsplit(".", 1)[-1] in ckpt_mod.FLOAT32_LEAVES for p in conversion.hf.flat_leaves(params))
+    assert reader.counts == {"mapped": gates, "restored": len(jax.tree_util.tree_leaves(params)) - gates}
+    leaves_equal(params, jax.tree_util.tree_map(lambda x, y: x.astype(y.dtype), ref, params))
+
+
+@pytest.mark.parametrize("damage", ["index", "truncated", "missing"])
+def test_a_damaged_shard_is_an_error_not_weights(converted, tmp_path, damage):
+    """A shard whose index fails its crc32c, that is cut short, or that is gone fails the load with
+    one CheckpointError naming the file, in any dtype asked for."""
+    ck = shutil.copytree(converted["qwen3_5_dense"], tmp_path / "ck")
+    shard = ck / "params" / "layers.1.ffn.down" / "c" / "0" / "0"
+    raw = shard.read_bytes()
+    if damage == "index":
+        shard.write_bytes(raw[:-12] + bytes([raw[-12] ^ 1]) + raw[-11:])  # one bit of the nbytes field
+    elif damage == "truncated":
+        shard.write_bytes(raw[: len(raw) // 2])
+    else:
+        shard.unlink()
+    for dtype in (None, "bfloat16"):
+        with pytest.raises(conversion.CheckpointError, match=f"{shard}: (damaged|cannot read)") as e:
+            hybridjax.load(ck, dtype=dtype)
+        assert "\n" not in str(e.value)
+
+
 # --- the CLI ----------------------------------------------------------------------------
 
 
