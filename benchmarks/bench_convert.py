@@ -7,8 +7,13 @@ vocab 32k, untied head: ~0.3 B params, 1.2 GB in float32), saves it as HF float3
 times, each step in a fresh process so that peak RSS (ru_maxrss) is its own:
 
     HF load          conversion.load(hf_dir)             (safetensors -> transforms -> device)
-    checkpoint load  conversion.load(converted_dir)      (orbax restore into abstract shapes)
+    checkpoint load  conversion.load(converted_dir)      (each array mapped from its file)
+    OCDBT load       the same params in orbax's OCDBT layout, as conversions wrote them before
+                     stop 52 (orbax restore into abstract shapes)
     convert          HF -> checkpoint, and checkpoint -> HF
+
+A load's time includes reading one byte of every 4 KiB page of every param (a mapped array's
+pages are read when first touched: this makes the rows compare).
 
 Files were just written, so reads are from the page cache (warm); both loads get the same
 advantage. "cpu s": process CPU time (all threads). "- after imports": peak RSS minus the RSS
@@ -108,10 +113,28 @@ def _import_conversion():
 
 def step_load(path: str, dtype: str | None) -> dict:
     import jax
+    import numpy as np
 
     conversion = _import_conversion()
 
-    return measured(lambda: jax.block_until_ready(conversion.load(path, dtype=dtype)[1]))
+    def load_and_touch():
+        params = jax.block_until_ready(conversion.load(path, dtype=dtype)[1])
+        for x in jax.tree_util.tree_leaves(params):  # one byte a page: a mapped page is read when touched
+            np.asarray(x).reshape(-1).view(np.uint8)[::4096].sum()
+
+    return measured(load_and_touch)
+
+
+def step_ocdbt(ckpt: str, out: str) -> dict:
+    """A copy of a converted checkpoint with its params in orbax's OCDBT layout (the earlier format)."""
+    import orbax.checkpoint as ocp
+
+    conversion = _import_conversion()
+    _, params = conversion.load(ckpt)
+    shutil.copytree(ckpt, out, ignore=shutil.ignore_patterns("params"), dirs_exist_ok=True)
+    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True, use_compression=False)
+    ocp.Checkpointer(handler).save((Path(out) / "params").absolute(), args=ocp.args.PyTreeSave(params), force=True)
+    return {}
 
 
 def step_convert(src: str, out: str, dtype: str | None) -> dict:
@@ -126,7 +149,7 @@ def step_export(ckpt: str, out: str) -> dict:
     return measured(lambda: conversion.export_hf(ckpt, out, force=True))
 
 
-STEPS = {"build": build, "load": step_load, "convert": step_convert, "export": step_export}
+STEPS = {"build": build, "load": step_load, "convert": step_convert, "export": step_export, "ocdbt": step_ocdbt}
 
 
 def child(name: str, *args) -> dict:
@@ -152,6 +175,7 @@ def main(argv=None) -> int:
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench_convert_"))
     work.mkdir(parents=True, exist_ok=True)
     hf, ck32, ck16, back = work / "hf", work / "ckpt_f32", work / "ckpt_bf16", work / "hf_back"
+    old32 = work / "ckpt_f32_ocdbt"
     try:
         if not (hf / "config.json").is_file():
             t = time.perf_counter()
@@ -161,8 +185,12 @@ def main(argv=None) -> int:
             ("convert HF -> ckpt (float32)", child("convert", str(hf), str(ck32), None)),
             ("convert HF -> ckpt (bfloat16)", child("convert", str(hf), str(ck16), "bfloat16")),
             ("convert ckpt -> HF (float32)", child("export", str(ck32), str(back))),
+        ]
+        child("ocdbt", str(ck32), str(old32))
+        rows += [
             ("load HF dir (float32)", child("load", str(hf), None)),
             ("load ckpt (float32)", child("load", str(ck32), None)),
+            ("load ckpt, OCDBT (float32)", child("load", str(old32), None)),
             ("load HF dir -> bfloat16", child("load", str(hf), "bfloat16")),
             ("load ckpt (bfloat16)", child("load", str(ck16), None)),
         ]
@@ -175,8 +203,9 @@ def main(argv=None) -> int:
         for what in ("seconds", "cpu"):
             f32 = r["load HF dir (float32)"][what] / r["load ckpt (float32)"][what]
             bf16 = r["load HF dir -> bfloat16"][what] / r["load ckpt (bfloat16)"][what]
-            print(f"load speed-up, checkpoint vs HF dir ({'wall' if what == 'seconds' else 'cpu'}): "
-                  f"float32 {f32:.1f}x, bfloat16 {bf16:.1f}x")
+            mapped = r["load ckpt, OCDBT (float32)"][what] / r["load ckpt (float32)"][what]
+            print(f"load speed-up ({'wall' if what == 'seconds' else 'cpu'}): checkpoint vs HF dir float32 {f32:.1f}x, "
+                  f"bfloat16 {bf16:.1f}x; mapped vs OCDBT layout float32 {mapped:.1f}x")
         print(f"machine load average during the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
               " (wall times stretch with it; cpu times much less)")
     finally:

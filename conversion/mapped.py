@@ -5,15 +5,17 @@ as a directory: `zarr.json`, and one shard file `c/0/.../0` that holds the array
 little-endian) followed by the shard's index (zarr v3 sharding: an (offset, nbytes) pair of
 uint64 per inner chunk, here one, then the index's crc32c). Such an array, in the dtype wanted, is
 mapped copy-on-write, and XLA:CPU takes a page-aligned mapping as the array's buffer without a copy
-(`jax.device_put` aliases it). So a warm load is the page cache's pages: on the 0.23B model 0.05 s
-against 1.3-4.3 s through orbax, which read 870 MB into memory the process had just allocated,
-at ~0.4 GB/s where the VM backs fresh pages lazily (benchmarks/README.md, issue 23). A cold load
-reads each page when a forward first touches it, as llama.cpp's mmap does.
+(`jax.device_put` aliases it). So a warm load is the page cache's pages: the 0.23B model in
+0.05-0.2 s against 1.3-5.4 s through orbax, which read 870 MB into memory the process had just
+allocated, slow to touch where the VM backs freed pages lazily (docs/architecture.md, Known traps;
+benchmarks/README.md). A cold load reads each page when a forward first touches it, as llama.cpp's
+mmap does.
 
 Copy-on-write: a program that donates such a buffer writes private pages, never the file; and a
-checkpoint replaced while mapped (`staged_dir` renames a new directory into place) keeps the old
-files' data alive until the model is dropped. Anything else (OCDBT checkpoints, compressed or
-chunked arrays, another dtype, a mesh) is read by orbax, as before.
+checkpoint replaced while mapped (`convert --force` renames a new directory into place) keeps the
+old files' data alive until the model is dropped. A shard file cut short in place while mapped
+would fault the process on the pages it lost, as with any mapped weights. Anything else (OCDBT
+checkpoints, compressed or chunked arrays, another dtype, a mesh) is read by orbax, as before.
 """
 
 from __future__ import annotations
