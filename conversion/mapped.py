@@ -103,7 +103,10 @@ def map_array(array_dir: Path, shape: tuple[int, ...], dtype) -> np.ndarray | No
     offset = data_offset(shard, int(np.prod(shape)) * stored.itemsize)
     if stored != jnp.dtype(dtype):
         return None
-    return np.memmap(shard, dtype=stored, mode="c", offset=offset, shape=tuple(shape))
+    try:
+        return np.memmap(shard, dtype=stored, mode="c", offset=offset, shape=tuple(shape))
+    except (OSError, ValueError):  # a file system that cannot map files: orbax reads it
+        return None
 
 
 def descriptors_left() -> int:
