@@ -13,9 +13,9 @@ Loading first checks the shapes the marker recorded against `param_shapes(cfg)` 
 config.json is caught and every mismatching leaf named), then restores into those abstract
 shapes: each array stored whole in the dtype wanted is mapped from its file without a copy
 (`conversion.mapped`), the others are read a layer or so at a time. Checkpoints written before
-(orbax's OCDBT layout) load as they did, through orbax. Every writer goes through `staged_dir`: output is built in a
-hidden sibling directory and renamed into place at the end, so a failure never leaves a
-half-written `out`.
+(orbax's OCDBT layout) load as they did, through orbax. Every writer goes through `staged_dir`:
+output is built in a hidden sibling directory and renamed into place at the end, so a failure
+never leaves a half-written `out`.
 """
 
 from __future__ import annotations
