@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
 from hybridjax.default_model import WEIGHTS_DIR, default_model
@@ -32,6 +33,29 @@ def test_the_shipped_model_is_the_real_layout_with_an_mtp_head():
     assert (WEIGHTS_DIR / "model.safetensors").stat().st_size < 40 * 2**20
     # It learned something: held-out loss well under the unigram baseline (recorded by the build).
     assert BUILD["held_out_loss"] < 0.8 * BUILD["unigram_loss"]
+
+
+def test_converted_it_loads_mapped_from_its_files(tmp_path):
+    """`hybridjax convert` writes one file per array and a load maps them, no copy (on this JAX line
+    too: the GPU image's): each param's buffer lies in a mapping of its own file, equal to the HF load.
+    (tests/test_conversion.py has the rest, on the 3.11 line.)"""
+    from hybridjax import conversion
+    from hybridjax.conversion.checkpoint import CheckpointReader
+    from hybridjax.conversion.hf import flat_leaves
+
+    conversion.convert_hf(WEIGHTS_DIR, tmp_path / "ck", dtype="float32")
+    reader = CheckpointReader(tmp_path / "ck")
+    leaves = flat_leaves(reader.restore())
+    assert reader.counts == {"mapped": len(leaves), "restored": 0}
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    for path, x in leaves.items():
+        ptr, shard = x.unsafe_buffer_pointer(), str(reader.params_dir / path / "c" / "/".join("0" * x.ndim))
+        assert any(line.endswith(" " + shard) and int(line.split("-")[0], 16) <= ptr < int(line.split()[0].split("-")[1], 16)
+                   for line in maps), path
+    want = flat_leaves(default_model()[1])
+    assert leaves.keys() == want.keys()
+    for path, x in leaves.items():
+        assert (np.asarray(x) == np.asarray(want[path])).all(), path
 
 
 def test_it_writes_docstring_english():
