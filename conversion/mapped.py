@@ -71,6 +71,11 @@ def bytes_codec(dtype) -> dict:
     return LITTLE if jnp.dtype(dtype).itemsize > 1 else {"name": "bytes"}
 
 
+def shard_file(array_dir: Path, ndim: int) -> Path:
+    """The one shard file of an array stored as `one_plain_shard` (chunk key `c/0/.../0`)."""
+    return array_dir.joinpath("c", *["0"] * ndim)
+
+
 def data_offset(shard: Path, nbytes: int) -> int:
     """Where the array's `nbytes` start in `shard`, from the shard's index. A shard that is
     missing, cut short, or whose index fails its crc32c raises CheckpointError, naming the file."""
@@ -99,7 +104,7 @@ def map_array(array_dir: Path, shape: tuple[int, ...], dtype) -> np.ndarray | No
     stored = one_plain_shard(meta, shape)
     if stored is None:
         return None
-    shard = array_dir.joinpath("c", *["0"] * len(shape))
+    shard = shard_file(array_dir, len(shape))
     offset = data_offset(shard, int(np.prod(shape)) * stored.itemsize)
     if stored != jnp.dtype(dtype):
         return None

@@ -23,10 +23,12 @@ from safetensors.numpy import load_file, save_file
 
 from hybridjax import conversion
 import hf_models
+from mapped_helpers import mapped_files
 import hybridjax
 from hybridjax.conversion import checkpoint as ckpt_mod
 from hybridjax.conversion import to_hf as to_hf_mod
 from hybridjax.conversion import cli as convert_cli
+from hybridjax.conversion.mapped import shard_file
 from hybridjax.cli import model_logits
 
 
@@ -245,18 +247,6 @@ def test_load_either_kind_keeps_or_casts_dtype(hf_dirs, converted, tmp_path):
     assert hybridjax.load_config(converted["qwen3_5_dense"]) == cfg
 
 
-def mapped_files(x: jax.Array) -> set[str]:
-    """The files whose mappings in this process hold the buffer of `x` (Linux: /proc/self/maps)."""
-    ptr = x.unsafe_buffer_pointer()
-    found = set()
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        span, *rest = line.split()
-        lo, hi = (int(v, 16) for v in span.split("-"))
-        if lo <= ptr < hi and len(rest) == 5:
-            found.add(rest[4])
-    return found
-
-
 def test_a_load_maps_each_array_from_its_file(converted, loaded):
     """On one device a converted checkpoint's arrays are their files' pages, mapped copy-on-write
     (no copy, no orbax): each leaf's buffer lies in a mapping of its own shard file, and the
@@ -266,8 +256,7 @@ def test_a_load_maps_each_array_from_its_file(converted, loaded):
     leaves = conversion.hf.flat_leaves(params)
     assert reader.counts == {"mapped": len(leaves), "restored": 0} and any(p.startswith("extra.") for p in leaves)
     for path, x in leaves.items():
-        shard = reader.params_dir / path / "c" / "/".join("0" * x.ndim)
-        assert mapped_files(x) == {str(shard)}, path
+        assert mapped_files(x) == {str(shard_file(reader.params_dir / path, x.ndim))}, path
     leaves_equal(params.replace(extra={}), loaded["qwen3_5_multimodal"][1].replace(extra={}))
 
 
