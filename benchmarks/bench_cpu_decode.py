@@ -34,6 +34,9 @@ vocab 32000, untied head, 228 M params; built once into --model-dir if absent). 
                           prefill dequantises the panels
              bf16-xla     bfloat16 weights, XLA's dots (very slow: opt in with --modes)
              *-kernel-1t  the kernel on one thread per call (what sharing columns buys)
+             f32-kernel-rows4, f32-kernel-rows8  float32, the avx2 path's weight rows per pass
+                          forced to 4 or 8 (f32-kernel: each weight shape's first calls time both;
+                          other paths: the same as f32-kernel)
            Modes alternate round by round, so load drift hits all alike; medians are shown.
   steps    with --step-rounds R: single decode steps (the donating jitted step), modes
            interleaved 4 steps at a time for R rounds, the bound's matvec timed in the same
@@ -81,6 +84,9 @@ MODES = {  # name -> (param dtype, use the kernel, kernel threads per call: 0 = 
     "bf16-kernel": ("bfloat16", True, 0),
     "bf16-xla": ("bfloat16", False, 0),
     "f32-kernel-1t": ("float32", True, 1),
+    # the avx2 path's weight rows per pass for float32 decode forced (f32-kernel measures both per shape)
+    "f32-kernel-rows4": ("float32", True, 0),
+    "f32-kernel-rows8": ("float32", True, 0),
     "bf16-kernel-1t": ("bfloat16", True, 1),
     # bfloat16 projections also kept as packed panels for decode (cpu_kernels.pack_params)
     "bf16-packed": ("bfloat16", True, 0),
@@ -159,6 +165,8 @@ class Mode:
     """generate() traced under one kernel setting: its own jit of generate's body, swapped in
     around each call (the kernel choice is made at trace time)."""
 
+    pass_rows = None  # the avx2 float32 weight rows per pass set last (None: measured)
+
     def __init__(self, name, params, cfg, use_kernel, threads):
         import jax
 
@@ -179,6 +187,12 @@ class Mode:
     def _env(self):  # read when a function is first traced, so set before every call
         os.environ["HYBRIDJAX_CPU_KERNELS"] = "1" if self.use_kernel else "0"
         os.environ["HYBRIDJAX_CPU_THREADS"] = str(self.threads)
+        pass_rows = {"f32-kernel-rows4": 4, "f32-kernel-rows8": 8}.get(self.name)
+        if self.use_kernel and Mode.pass_rows != pass_rows:  # process-wide, read at each call
+            from hybridjax import cpu_kernels
+
+            cpu_kernels.set_avx2_pass_rows(pass_rows)  # None: measure again, shape by shape
+            Mode.pass_rows = pass_rows
 
     def generate(self, prompt, n):
         import jax

@@ -224,6 +224,38 @@ def test_avx2_float32_decode_reads_whole_rows_over_fixed_slices():
         assert not np.array_equal(one, other_plan), f"{k}x{n}: {other} slices gave the same bits"
 
 
+def test_avx2_float32_decode_pass_rows_change_no_bits_and_are_measured():
+    """One or two rows against such a float32 weight read 4 or 8 weight rows per pass (matmul.cc,
+    NextPassRows): the same bits either way, a slice of K ending mid-pass included (K = 140: slices
+    of 48, 48, 44 rows). Unless forced, each shape's first calls alternate the two, and after 8 of
+    each the faster serves that shape; during and after, the results do not move."""
+    need("avx2")
+    rng = np.random.default_rng(12)
+    k, n = 140, 3000  # 1.7 MB: past the 256 KB where the kernel cuts K into four slices
+    x = jnp.asarray(rng.standard_normal((2, k)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
+    try:
+        by_rows = {}
+        for pass_rows in (4, 8):
+            cpu_kernels.set_avx2_pass_rows(pass_rows)
+            by_rows[pass_rows] = [np.asarray(cpu_kernels.matmul(x[:r], w, isa="avx2")) for r in (1, 2)]
+            assert cpu_kernels.avx2_pass_rows(k, n) == pass_rows
+        for r in (0, 1):
+            np.testing.assert_array_equal(by_rows[4][r], by_rows[8][r])
+            assert_close(by_rows[8][r], x[:r + 1], w, False)
+        cpu_kernels.set_avx2_pass_rows(None)
+        assert cpu_kernels.avx2_pass_rows(k, n) is None  # measuring starts over
+        for _ in range(16):  # 8 calls of each
+            assert cpu_kernels.avx2_pass_rows(k, n) is None
+            np.testing.assert_array_equal(np.asarray(cpu_kernels.matmul(x[:1], w, isa="avx2")), by_rows[4][0])
+        assert cpu_kernels.avx2_pass_rows(k, n) in (4, 8)
+        np.testing.assert_array_equal(np.asarray(cpu_kernels.matmul(x, w, isa="avx2")), by_rows[4][1])
+        with pytest.raises(ValueError, match="4 or 8"):
+            cpu_kernels.set_avx2_pass_rows(6)
+    finally:
+        cpu_kernels.set_avx2_pass_rows(None)
+
+
 def test_vmap_over_x_w_both_and_nested():
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((4, 3, 40)), jnp.float32)

@@ -34,7 +34,11 @@ Environment (read at trace time: call `jax.clear_caches()` after changing them i
                               follow the capped path (`isa()`), as on a CPU with only that one;
   HYBRIDJAX_CPU_THREADS=N     use at most N threads per call (default: XLA's pool);
   HYBRIDJAX_CPU_BF16_PREFILL=widen|direct   bf16 prefill matmuls in float32 or bf16 on XLA
-                              (default: widen unless the CPU has avx512bf16; `widen_bf16_prefill`).
+                              (default: widen unless the CPU has avx512bf16; `widen_bf16_prefill`);
+  HYBRIDJAX_CPU_AVX2_PASS_ROWS=4|8   weight rows the avx2 path reads side by side for one or two
+                              rows of x and a float32 weight (read when the library loads;
+                              `set_avx2_pass_rows`). The same bits either way; which is faster is
+                              the CPU's, so by default each weight shape's first calls time both.
 """
 
 from __future__ import annotations
@@ -93,10 +97,15 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
             "reinstall the package with a C++17 compiler present, or build it in place with "
             "`python setup.py build_ext --inplace`"
         )
+    pass_rows = _pass_rows(os.environ.get("HYBRIDJAX_CPU_AVX2_PASS_ROWS") or None)  # a bad value: its own error
     try:
         lib = ctypes.CDLL(str(path))
         lib.HjBestIsa.restype = ctypes.c_int
         lib.HjHelperItems.restype = ctypes.c_int64
+        lib.HjAvx2PassRows.restype = ctypes.c_int
+        lib.HjAvx2PassRows.argtypes = (ctypes.c_int64, ctypes.c_int64)
+        lib.HjSetAvx2PassRows.argtypes = (ctypes.c_int,)
+        lib.HjSetAvx2PassRows(pass_rows)
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.HjMatmul), platform="cpu")
         jax.ffi.register_ffi_target(TARGET_INDEXED, jax.ffi.pycapsule(lib.HjMatmulIndexed), platform="cpu")
         jax.ffi.register_ffi_target(TARGET_PACKED, jax.ffi.pycapsule(lib.HjMatmulPacked), platform="cpu")
@@ -104,6 +113,34 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     except (OSError, AttributeError, RuntimeError, ValueError) as e:
         return None, f"the C++ extension {path.name} failed to load: {e}"
     return lib, None
+
+
+def _pass_rows(value) -> int:
+    if value is None:
+        return 0  # measure
+    if str(value) not in ("4", "8"):
+        raise ValueError(f"avx2 weight rows per pass must be 4 or 8 (HYBRIDJAX_CPU_AVX2_PASS_ROWS), got {value!r}")
+    return int(value)
+
+
+def set_avx2_pass_rows(pass_rows: int | None) -> None:
+    """How many weight rows the avx2 path reads side by side (4 or 8) for one or two rows of x and
+    a float32 weight of >= 256 KB and up to 16384 columns (decode's projections); None: each
+    weight shape's first calls alternate the two and the faster serves the rest (starting over).
+    The results are the same bits either way; the speed is the CPU's (matmul.cc, NextPassRows)."""
+    lib = _load()[0]
+    if lib is None:
+        raise RuntimeError(load_error())
+    lib.HjSetAvx2PassRows(_pass_rows(pass_rows))
+
+
+def avx2_pass_rows(k: int, n: int) -> int | None:
+    """The weight rows per pass a [k, n] float32 weight takes on the avx2 path (4 or 8); None while
+    its first calls still time both, or before any call of that shape."""
+    lib = _load()[0]
+    if lib is None:
+        raise RuntimeError(load_error())
+    return lib.HjAvx2PassRows(int(k), int(n)) or None
 
 
 def available() -> bool:

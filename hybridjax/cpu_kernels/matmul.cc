@@ -57,11 +57,13 @@
 // zeros and reads nothing (a pad or an unused tile).
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <mutex>
 #include <numeric>
 #include <thread>
 #include <type_traits>
@@ -154,6 +156,7 @@ struct Job {
   int64_t xblock;
   float* y;             // [rows, n]
   float* part;          // [slices, rows, n] partial sums when K is cut into slices, else null
+  int pass_rows = 0;    // AVX2, float32, 1-2 rows: weight rows per pass, 4 or 8 (hj::NextPassRows); 0: 4
 };
 
 inline float Bf16ToF32(uint16_t h) {
@@ -296,10 +299,11 @@ HJ_AVX2 inline __m256 Load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(v)));
 }
 
-// Weight rows per pass on AVX2: four for one or two rows of x. On a Zen 3 (AVX2 only) eight
-// row streams per pass (and eight more prefetched) read a float32 weight at 0.74-0.87x of a plain
-// sequential read; four read 1.11-1.16x faster than eight (bench_kernel_bw, benchmarks/README.md).
-// The sums are the same: each column still runs over k in order, one FMA at a time.
+// Weight rows per pass on AVX2: four for one or two rows of x (a float32 weight may take eight:
+// Avx2Tile, NextPassRows). On a Zen 3 (AVX2 only) eight row streams per pass (and eight more
+// prefetched) read a float32 weight at 0.74-0.87x of a plain sequential read; four read
+// 1.11-1.16x faster than eight (bench_kernel_bw, benchmarks/README.md). The sums are the same:
+// each column still runs over k in order, one FMA at a time.
 template <int M, typename T>
 constexpr int Avx2RowBlock() { return M <= 2 ? 4 : RowBlock<M, T>(); }
 
@@ -317,15 +321,15 @@ constexpr bool Avx2Prefetch() { return M > 2 || !std::is_same<T, float>::value; 
 // about half the float32 path's bytes/s for int8 (benchmarks/README.md). V is chosen so that the sums
 // (M x V) and the weights (V) fit the 16 ymm registers. Per column the sum still runs over k in
 // order, one FMA at a time, so the results are those of the one-vector loop, bit for bit.
-template <int M, typename T, int V>
+template <int M, typename T, int V, int RB>
 HJ_AVX2 void Avx2WideTile(const Job& j, int64_t row0, int64_t n0, int64_t n1, int64_t kb, int64_t ke, float* acc) {
   static_assert(M * V + V < 16, "sums and weights must fit the ymm registers");
   const T* w = static_cast<const T*>(j.w);
   const int64_t width = n1 - n0, wide_end = n0 + (width / (8 * V)) * (8 * V), vec_end = n0 + (width / 8) * 8;
   const float* x = j.x + row0 * j.k;
   std::memset(acc, 0, sizeof(float) * M * width);
-  for (int64_t k0 = kb; k0 < ke; k0 += Avx2RowBlock<M, T>()) {
-    const int64_t k1 = k0 + Avx2RowBlock<M, T>() < ke ? k0 + Avx2RowBlock<M, T>() : ke;
+  for (int64_t k0 = kb; k0 < ke; k0 += RB) {
+    const int64_t k1 = k0 + RB < ke ? k0 + RB : ke;
     const int64_t next = k1 + (k1 - k0) <= ke ? k1 - k0 : 0;  // the next pass's rows, if whole
     for (int64_t c = n0; c < wide_end; c += 8 * V) {
       float* out = acc + (c - n0);
@@ -367,11 +371,15 @@ HJ_AVX2 void Avx2WideTile(const Job& j, int64_t row0, int64_t n0, int64_t n1, in
 }
 
 // V = 4 for 1-2 rows of x, 2 for 3-4 rows, 1 (one vector per step) for more: the sums and the
-// weights fit the 16 ymm registers.
+// weights fit the 16 ymm registers. A float32 weight and one or two rows of x read 4 or 8 weight
+// rows per pass, as hj::NextPassRows chose for this CPU (the same bits either way).
 template <int M, typename T>
 HJ_AVX2 void Avx2Tile(const Job& j, int64_t row0, int64_t n0, int64_t n1, int64_t kb, int64_t ke, float* acc) {
   constexpr int V = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
-  Avx2WideTile<M, T, V>(j, row0, n0, n1, kb, ke, acc);
+  if (M <= 2 && std::is_same<T, float>::value && j.pass_rows == 8)
+    Avx2WideTile<M, T, V, 8>(j, row0, n0, n1, kb, ke, acc);
+  else
+    Avx2WideTile<M, T, V, Avx2RowBlock<M, T>()>(j, row0, n0, n1, kb, ke, acc);
 }
 
 HJ_AVX2 inline float HSum8(__m256 v) {
@@ -923,6 +931,58 @@ void AddSlices(const Plan& plan, int64_t slices) {
     }
 }
 
+// --- weight rows per pass of the AVX2 float32 decode stream, chosen per CPU by timing ---------
+//
+// One or two rows of x against a float32 weight of >= 256 KB and up to kAvx2WholeRowsCols
+// columns (decode's projections) stream four slices of K, each over the whole width, front to
+// back without prefetches, a pass reading 4 or 8 weight rows side by side. The sums are the same
+// bits either way; which reads faster is the CPU's: on a Zen 3 four rows per pass read 1.11-1.16x
+// faster than eight, on a Zen 5 (capped to AVX2) eight made a float32 step 1.10x faster
+// (benchmarks/README.md). So, unless one is forced (HjSetAvx2PassRows), the first calls of each
+// weight shape alternate the two, and once each has run kPassTrials times the one with the
+// shortest call serves every later call of that shape.
+constexpr int kPassTrials = 8;
+
+struct PassTrial {
+  int64_t k, n;
+  int runs[2];         // calls with 4, 8 rows per pass
+  int64_t best_ns[2];  // the shortest of each
+  int chosen;          // 4 or 8; 0 while measuring
+};
+
+std::atomic<int> forced_pass_rows{0};  // 4 or 8; 0: measure
+std::mutex trials_mu;
+std::vector<PassTrial> trials;  // one per weight shape met (a model has a handful)
+
+PassTrial& TrialOf(int64_t k, int64_t n) {  // under trials_mu
+  for (PassTrial& t : trials)
+    if (t.k == k && t.n == n) return t;
+  trials.push_back(PassTrial{k, n, {0, 0}, {INT64_MAX, INT64_MAX}, 0});
+  return trials.back();
+}
+
+// Rows per pass for the next call with a [k, n] weight: the forced, the chosen, or the next trial.
+int NextPassRows(int64_t k, int64_t n) {
+  const int forced = forced_pass_rows.load(std::memory_order_relaxed);
+  if (forced) return forced;
+  std::lock_guard<std::mutex> lock(trials_mu);
+  const PassTrial& t = TrialOf(k, n);
+  if (t.chosen) return t.chosen;
+  return t.runs[0] <= t.runs[1] ? 4 : 8;
+}
+
+// A call with `pass_rows` took `ns`: count it, and choose once both have run kPassTrials times.
+void RecordPassRows(int64_t k, int64_t n, int pass_rows, int64_t ns) {
+  if (forced_pass_rows.load(std::memory_order_relaxed)) return;
+  std::lock_guard<std::mutex> lock(trials_mu);
+  PassTrial& t = TrialOf(k, n);
+  if (t.chosen) return;
+  const int i = pass_rows == 8;
+  ++t.runs[i];
+  t.best_ns[i] = std::min(t.best_ns[i], ns);
+  if (t.runs[0] >= kPassTrials && t.runs[1] >= kPassTrials) t.chosen = t.best_ns[1] < t.best_ns[0] ? 8 : 4;
+}
+
 // Claim items until none are left.
 // Items run by helper threads, process-wide (a test reads it to see the pool at work).
 std::atomic<int64_t> helper_items{0};
@@ -1153,8 +1213,12 @@ ffi::Error MatmulCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   // depend on the others; more rows take the narrower tiles below over the same slices. A wider
   // weight (a head) keeps the tiles below: over whole rows it ran alike with one or two rows,
   // and 0.85-0.96x with four.
+  // Weight rows per pass (4 or 8) are chosen per CPU by timing (hj::NextPassRows above).
   const bool avx2_rows = big && !packed && !transposed && wtype == hj::kF32 && plan->isa == hj::kAvx2 &&
                          N <= hj::kAvx2WholeRowsCols;
+  const int pass_rows = avx2_rows && rows_per_group <= 2 ? hj::NextPassRows(K, N) : 0;
+  for (Job& job : plan->jobs) job.pass_rows = pass_rows;
+  const auto started = std::chrono::steady_clock::now();
   int64_t tc = N;
   if (tile_cols > 0) {
     tc = tile_cols;
@@ -1227,6 +1291,9 @@ ffi::Error MatmulCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
     }
   }
   if (slices > 1) hj::AddSlices(*plan, slices);
+  if (pass_rows && tile_cols <= 0)  // (a forced tiling is a test's, not a measurement)
+    hj::RecordPassRows(K, N, pass_rows, std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                            std::chrono::steady_clock::now() - started).count());
   return ffi::Error::Success();
 }
 
@@ -1266,6 +1333,8 @@ HJ_EXPORT XLA_FFI_Error* HjMatmulPacked(XLA_FFI_CallFrame* call_frame);
 HJ_EXPORT XLA_FFI_Error* HjMatmulQ8(XLA_FFI_CallFrame* call_frame);
 HJ_EXPORT int HjBestIsa();
 HJ_EXPORT int64_t HjHelperItems();
+HJ_EXPORT void HjSetAvx2PassRows(int pass_rows);
+HJ_EXPORT int HjAvx2PassRows(int64_t k, int64_t n);
 HJ_EXPORT uint64_t HjStreamRead(const void* p, int64_t bytes, int threads);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjMatmul, Matmul,
@@ -1283,6 +1352,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HjMatmul, Matmul,
 
 int HjBestIsa() { return hj::BestIsa(); }
 int64_t HjHelperItems() { return hj::helper_items.load(std::memory_order_relaxed); }
+
+// Force the AVX2 float32 decode stream's weight rows per pass (4 or 8), or measure them
+// again (0): every shape's trials start over.
+void HjSetAvx2PassRows(int pass_rows) {
+  std::lock_guard<std::mutex> lock(hj::trials_mu);
+  hj::trials.clear();
+  hj::forced_pass_rows.store(pass_rows, std::memory_order_relaxed);
+}
+
+// The weight rows per pass a [k, n] float32 weight takes there: 4 or 8 (the forced one, or the one
+// chosen); 0 while still measuring, or for a shape not met.
+int HjAvx2PassRows(int64_t k, int64_t n) {
+  const int forced = hj::forced_pass_rows.load(std::memory_order_relaxed);
+  if (forced) return forced;
+  std::lock_guard<std::mutex> lock(hj::trials_mu);
+  for (const hj::PassTrial& t : hj::trials)
+    if (t.k == k && t.n == n) return t.chosen;
+  return 0;
+}
 
 // A plain sequential read of `bytes` (the benchmarks' bandwidth reference): `threads` contiguous
 // parts, each xor-folded 32 bytes at a time; returns the fold so the reads are not optimised out.
