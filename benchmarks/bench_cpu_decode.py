@@ -34,6 +34,9 @@ vocab 32000, untied head, 228 M params; built once into --model-dir if absent). 
                           prefill dequantises the panels
              bf16-xla     bfloat16 weights, XLA's dots (very slow: opt in with --modes)
              *-kernel-1t  the kernel on one thread per call (what sharing columns buys)
+             f32-transposed  float32 in `--pack-for-decode`'s layout (cpu_kernels.pack_params):
+                          the projections held transposed, [N, K], on the paths of
+                          TRANSPOSED_ISAS (AVX2); elsewhere the same as f32-kernel
              f32-kernel-rows4, f32-kernel-rows8  float32, the avx2 path's weight rows per pass
                           forced to 4 or 8 (f32-kernel: each weight shape's first calls time both;
                           other paths: the same as f32-kernel)
@@ -87,6 +90,8 @@ MODES = {  # name -> (param dtype, use the kernel, kernel threads per call: 0 = 
     # the avx2 path's weight rows per pass for float32 decode forced (f32-kernel measures both per shape)
     "f32-kernel-rows4": ("float32", True, 0),
     "f32-kernel-rows8": ("float32", True, 0),
+    # float32 projections held transposed where pack_params does so (cpu_kernels.TRANSPOSED_ISAS)
+    "f32-transposed": ("float32", True, 0),
     "bf16-kernel-1t": ("bfloat16", True, 1),
     # bfloat16 projections also kept as packed panels for decode (cpu_kernels.pack_params)
     "bf16-packed": ("bfloat16", True, 0),
@@ -506,6 +511,8 @@ def main(argv=None) -> int:
             layout = "int8-wo" if weights_of(name) == "int8" else "int8-dot"
             loaded[weights_of(name)] = (c, jax.block_until_ready(cpu_kernels.quantize_params(p, layout)))
         cfg, params = loaded[weights_of(name)]
+        if name == "f32-transposed":
+            params = jax.block_until_ready(cpu_kernels.pack_params(params))
         if name.endswith("-packed") or name.endswith("-packed-1t"):
             kept = cpu_kernels.pack_params(params)  # what --pack-for-decode keeps on this path
             params = jax.block_until_ready(cpu_kernels.pack_params(params, force=True) if kept is params else kept)

@@ -12,7 +12,8 @@ bfloat16 weight packed once into panels, `cpu_kernels.pack_bf16` / `matmul_packe
 int8 with per-column scales, float32 x), `int8-dot` (the weight quantised per column per block of
 32 k, float16 scales, packed in quads of K, `cpu_kernels.quantize_int8_blocks` / `pack_int8` /
 `matmul_q8`: x rounded to int8 per block, integer dots), `int8-dot-f32` (the same with float32
-scales), `read` (no matmul: a plain sequential read of the float32
+scales), `f32-t` (the float32 weight stored transposed, [N, K], each output a dot along a
+contiguous weight row: llama.cpp's layout, the kernel's `transposed` path), `read` (no matmul: a plain sequential read of the float32
 copies, on as many threads as the kernel may use: the bandwidth the kernel should reach). With `--old-so` an
 older build of the kernel (loaded beside the current one under another FFI target name) adds
 `old-bf16`, `old-f32` and `old-int8`, so a change is measured against its predecessor in the same run.
@@ -64,6 +65,7 @@ def main(argv=None) -> int:
     calls = {"new": lambda x, w: cpu_kernels.matmul(x, w, max_threads=a.threads),
              "packed": lambda x, w: cpu_kernels.matmul_packed(x, w[0], w[1], max_threads=a.threads),
              "int8": lambda x, w: cpu_kernels.matmul(x, w[0], w[1], max_threads=a.threads),
+             "t": lambda x, w: cpu_kernels.matmul(x, w, transposed=True, max_threads=a.threads),
              "q8": lambda x, w: cpu_kernels.matmul_q8(x, w[0][0], w[0][1], w[1], max_threads=a.threads,
                                                       x_block=a.x_block or cpu_kernels.X_BLOCK)}
     if a.old_so:
@@ -83,7 +85,7 @@ def main(argv=None) -> int:
     modes = {"f32": ("new", jnp.float32, jnp.float32), "bf16": ("new", jnp.bfloat16, jnp.bfloat16),
              "bf16-xf32": ("new", jnp.bfloat16, jnp.float32), "bf16-packed": ("packed", "packed", jnp.bfloat16),
              "int8": ("int8", "int8", jnp.float32), "int8-dot": ("q8", "int8-dot", jnp.float32),
-             "int8-dot-f32": ("q8", "int8-dot-f32", jnp.float32),
+             "int8-dot-f32": ("q8", "int8-dot-f32", jnp.float32), "f32-t": ("t", "f32-t", jnp.float32),
              "read": ("read", jnp.float32, None)}
     if a.old_so:
         modes.update({"old-f32": ("old", jnp.float32, jnp.float32), "old-bf16": ("old", jnp.bfloat16, jnp.bfloat16),
@@ -123,6 +125,7 @@ def main(argv=None) -> int:
         ws = {jnp.float32: [jnp.asarray(b) for b in base]}
         ws[jnp.bfloat16] = [w.astype(jnp.bfloat16) for w in ws[jnp.float32]]
         ws["packed"] = [(cpu_kernels.pack_bf16(w), n) for w in ws[jnp.bfloat16]]
+        ws["f32-t"] = [jnp.asarray(np.ascontiguousarray(b.T)) for b in base] if "f32-t" in modes else []
         del base
         ws["int8"] = [cpu_kernels.quantize_int8(w) for w in ws[jnp.float32]] if "int8" in modes else []
         block = a.x_block or cpu_kernels.X_BLOCK
@@ -150,7 +153,7 @@ def main(argv=None) -> int:
                     times[m].append(time.perf_counter() - t0)
             gbs = {}
             for m, (_, wd, _) in modes.items():
-                per_weight = {"packed": 2}.get(wd, 1) if isinstance(wd, str) else jnp.dtype(wd).itemsize
+                per_weight = {"packed": 2, "f32-t": 4}.get(wd, 1) if isinstance(wd, str) else jnp.dtype(wd).itemsize
                 nbytes = copies * k * n * per_weight
                 t = np.asarray(times[m])
                 gbs[m] = (nbytes / np.median(t) / 1e9, nbytes / t.min() / 1e9)

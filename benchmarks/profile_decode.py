@@ -66,6 +66,8 @@ def main(argv=None) -> int:
     ap.add_argument("--capacity", type=int, default=256, help="KV cache capacity (tokens)")
     ap.add_argument("--top", type=int, default=15, help="print the slowest ops too")
     ap.add_argument("--engine", action="store_true", help="the engine's decode step (max_len --capacity)")
+    ap.add_argument("--pack-for-decode", action="store_true",
+                    help="the weights in cpu_kernels.pack_params' layouts (as `--pack-for-decode`)")
     a = ap.parse_args(argv)
     os.environ["HYBRIDJAX_CPU_KERNELS"] = a.kernels
 
@@ -81,7 +83,7 @@ def main(argv=None) -> int:
     if not (model_dir / "config.json").is_file():
         model_dir.mkdir(parents=True, exist_ok=True)
         bench_generate.build_model(model_dir)
-    cfg, params = hybridjax.load_hf(model_dir, dtype=a.dtype)
+    cfg, params = hybridjax.load_hf(model_dir, dtype=a.dtype, pack_for_decode=a.pack_for_decode)
     if a.engine:
         return profile_engine(a, model_dir, cfg, params)
     prompt = bench_generate.prompt_tokens(128)[None]

@@ -700,6 +700,66 @@ def test_a_capped_path_makes_the_layout_choices_of_a_cpu_with_only_that_path(loa
     assert cpu_kernels.isa() == cpu_kernels.best_isa()
 
 
+def test_a_transposed_weight_is_read_in_place_by_the_kernel_and_by_xla(monkeypatch):
+    """`TransposedWeight` (pack_params' float32 layout on AVX2) holds w as [N, K]. Decode rows read
+    each output's weights as one contiguous row (the kernel's transposed path: four columns at a
+    time, a weight of >= 256 KB cut into four items of whole rows, K and N with tails here); wider
+    rows run XLA's matmul on the [N, K] array itself (no transpose or copy of it in the compiled
+    step). Each within the float32 bound of x @ w, a row's result the same at any kernel row count,
+    and the weight it stands for given back exactly."""
+    need("avx2")
+    monkeypatch.setenv("HYBRIDJAX_CPU_ISA", "avx2")
+    rng = np.random.default_rng(21)
+    k, n = 260, 1001  # 1 MB: four items of 256 rows, the last 233 (a column left over from groups of 4)
+    w = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
+    tw = cpu_kernels.TransposedWeight(jnp.asarray(np.ascontiguousarray(np.asarray(w).T)))
+    assert tw.shape == (k, n) and tw.dtype == jnp.float32 and tw.ndim == 2
+    np.testing.assert_array_equal(np.asarray(cpu_kernels.plain_weight(tw)), np.asarray(w))
+    dense = jax.jit(lambda x, w: ops.dense(x, w, jnp.float32))
+    x = jnp.asarray(rng.standard_normal((40, k)), jnp.float32)
+    limit = cpu_kernels.max_rows(jnp.float32)
+    ys = {rows: np.asarray(dense(x[:rows], tw)) for rows in (1, 2, 3, 5, limit, 40)}
+    for rows, y in ys.items():
+        assert_close(y, x[:rows], w, False)
+        if rows <= limit:
+            np.testing.assert_array_equal(y[:1], ys[1], err_msg=f"{rows} rows")
+    kernel_step = dense.lower(x[:1], tw).as_text()
+    assert cpu_kernels.TARGET in kernel_step and "transposed = true" in kernel_step
+    wide_step = dense.lower(x, tw).compile().as_text()
+    assert cpu_kernels.TARGET not in wide_step and "transpose(" not in wide_step and "copy(" not in wide_step
+    with pytest.raises(ValueError, match="tied head"):
+        ops.dense(x[:1], tw, transposed=True)
+
+
+def test_pack_params_holds_float32_projections_transposed_on_avx2(loaded, monkeypatch):
+    """On the avx2 path (`TRANSPOSED_ISAS`) `pack_params` holds every float32 projection as a
+    `TransposedWeight` (the same memory), the embedding as it is. Decode's logits then agree with
+    the plain weights' within float32 rounding (each output's sum runs in another order), greedy
+    generation gives the same tokens, and unpacking gives the weights back exactly. Capped to
+    scalar nothing changes."""
+    need("avx2")
+    monkeypatch.setenv("HYBRIDJAX_CPU_ISA", "avx2")
+    cfg, params = loaded["qwen3_5_dense"]
+    held = cpu_kernels.pack_params(params)
+    layouts = jax.tree_util.tree_leaves_with_path(held, is_leaf=cpu_kernels.is_weight_layout)
+    names = {jax.tree_util.keystr(kp).split(".")[-1] for kp, x in layouts if isinstance(x, cpu_kernels.TransposedWeight)}
+    assert names and names <= cpu_kernels.DENSE_WEIGHTS and "embed" not in names
+    up = held.layers[0].ffn.up
+    assert isinstance(up, cpu_kernels.TransposedWeight) and up.shape == params.layers[0].ffn.up.shape
+    back = cpu_kernels.unpack_params(held)
+    for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    prompt = np.random.RandomState(8).randint(0, cfg.vocab_size, 9).tolist()
+    ours, ref = decode_logits(held, cfg, prompt, 6), decode_logits(params, cfg, prompt, 6)
+    err = np.abs(ours - ref).max() / np.abs(ref).max()
+    assert 0 < err < 1e-4, err  # float32 sums in another order: close, and not the same code path
+    prompts = [np.random.RandomState(s).randint(0, cfg.vocab_size, n).tolist() for s, n in ((1, 5), (2, 11), (3, 1))]
+    assert (generate(held, cfg, prompts, max_new_tokens=12).token_lists()
+            == generate(params, cfg, prompts, max_new_tokens=12).token_lists())
+    monkeypatch.setenv("HYBRIDJAX_CPU_ISA", "scalar")
+    assert cpu_kernels.pack_params(params) is params
+
+
 def test_model_decode_with_packed_weights_equals_without_kernel(loaded, monkeypatch):
     """bfloat16 params packed for decode (the tied head untied, so the LM head is packed too):
     one-token steps through the packed kernel against XLA's dots on the plain weights

@@ -228,8 +228,8 @@ def test_cli_dtype_and_packing_reach_the_default_model(capsys):
         assert main(args + flags) == 0
         expect = generate(p, cfg, [prompt], max_new_tokens=5, stop_ids=tok.eos_token_ids).token_lists()[0]
         assert json.loads(capsys.readouterr().out)["token_ids"] == expect
-    assert main(["generate", "--no-compile-cache", "--pack-for-decode", "--prompt", "x"]) == 1
-    assert "--pack-for-decode needs --dtype bfloat16" in capsys.readouterr().err
+    assert main(["generate", "--no-compile-cache", "--pack-for-decode", "--mesh", "1", "--prompt", "x"]) == 1
+    assert "--pack-for-decode runs on one device" in capsys.readouterr().err
 
 
 def test_donation_rule(loaded):

@@ -88,10 +88,11 @@ def token_ids(s: str) -> list[int]:
 # Measured on CPU (benchmarks/README.md): with the CPU kernel bfloat16 prefills and decodes
 # faster than float32; float32 stays the default for its accuracy.
 DTYPE_HELP = "weights dtype (default: float32; on CPU bfloat16 prefills and decodes faster)"
-PACK_HELP = ("with --dtype bfloat16 on one CPU device with AVX2 or AVX512_BF16: also keep the projections as packed "
-             "panels that decode streams faster (about 2x float32's decode instead of 1.6x), at twice the "
+PACK_HELP = ("keep the projections in the layouts this CPU's decode streams fastest (one device). bfloat16 with AVX2 "
+             "or AVX512_BF16: also as packed panels (about 2x float32's decode instead of 1.6x), at twice the "
              "bf16 weight memory; without AVX512_BF16 prefill's copy is kept in float32 (3x the bf16 bytes) "
-             "so that prefill runs at float32's speed (on AVX-512 without AVX512_BF16 only that copy)")
+             "so that prefill runs at float32's speed (on AVX-512 without AVX512_BF16 only that copy). float32 "
+             "on AVX2: held transposed, the same memory (decode ~1.2x faster; the transpose costs ~1 s at load)")
 
 QUANTIZE_MODES = ("int8", "int8-wo", "int8-dot")  # cpu_kernels.QUANTIZE_MODES (no import of the kernels here)
 QUANTIZE_HELP = ("int8: int8 projections (decode on CPU reads about a quarter of float32's weight bytes; "
@@ -144,12 +145,12 @@ def load_model(model: str | None, dtype: str | None = None, mesh: str | None = N
                quantize: str | None = None):
     """(cfg, params, tokenizer or None, name) for a model directory, or the embedded default;
     with `mesh` (a spec for `hybridjax.make_mesh`) the params are placed on it as they are read.
-    `pack`: bfloat16 projections also kept as the CPU decode kernel's packed panels (PACK_HELP).
+    `pack`: projections also (bfloat16) or instead (float32) kept in the CPU decode kernel's layouts (PACK_HELP).
     `quantize`: "int8", "int8-wo" or "int8-dot" int8 projections (QUANTIZE_HELP)."""
     import hybridjax
 
-    if pack and (dtype != "bfloat16" or mesh):
-        raise CLIError("--pack-for-decode needs --dtype bfloat16 and no --mesh")
+    if pack and mesh:
+        raise CLIError("--pack-for-decode runs on one device: drop --mesh")
     if quantize and mesh:
         raise CLIError(f"--quantize {quantize} runs on one device: drop --mesh")
     if quantize and pack:

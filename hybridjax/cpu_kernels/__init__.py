@@ -352,6 +352,9 @@ def matmul_indexed(x, w, index, *, transposed: bool = False, isa: str | None = N
 # panel). avx512 without bf16 keeps its [K, N] path (it would read panels with AVX2 code); there
 # `pack_params` keeps only prefill's float32 copy beside it (`WidenedWeight`).
 PACKED_ISAS = ("avx2", "avx512bf16")
+# Paths on which `pack_params` holds float32 projections transposed (`TransposedWeight`): AVX2,
+# where one row of x read a [N, K] weight 1.1-1.4x faster than [K, N] (benchmarks/README.md).
+TRANSPOSED_ISAS = ("avx2",)
 PANEL = 32  # output columns per panel of a packed weight (two zmm registers of float32 sums)
 
 
@@ -668,6 +671,27 @@ class WidenedWeight(_DecodeLayout):
 
 
 @jax.tree_util.register_pytree_node_class
+class TransposedWeight(_DecodeLayout):
+    """A float32 weight [K, N] held transposed, `t` [N, K] (`pack_params`, where the kernel's path
+    is in TRANSPOSED_ISAS): decode rows then read each output's weights as one contiguous row
+    (the kernel's `transposed` path, dot products along K: 1.1-1.4x the [K, N] stream's bytes/s
+    for one row on AVX2, benchmarks/README.md), and prefill's XLA matmuls read `t` in place
+    (x @ t.T: as fast as x @ w, no copy). The same memory as w. Its shape is the weight's, [K, N]."""
+
+    fields = ("t",)
+
+    def __init__(self, t):
+        self.t = t
+
+    @property
+    def shape(self):
+        return self.t.shape[::-1]
+
+    def __repr__(self):
+        return f"TransposedWeight(shape={self.shape}, dtype={self.dtype})"
+
+
+@jax.tree_util.register_pytree_node_class
 class Int8Weight(_DecodeLayout):
     """A weight [K, N] in int8, in one of two layouts (`quantize_params`); `hybridjax.ops.dense`
     takes it in place of w.
@@ -736,7 +760,7 @@ def dequantize_int8_panels(p, s, k: int, n: int, block: int = X_BLOCK):
 
 def is_weight_layout(x) -> bool:
     """Whether x is a weight kept in a layout of this module (a pytree leaf for tree walks)."""
-    return isinstance(x, (PackedWeight, WidenedWeight, Int8Weight))
+    return isinstance(x, (PackedWeight, WidenedWeight, TransposedWeight, Int8Weight))
 
 
 def plain_weight(w):
@@ -750,6 +774,8 @@ def plain_weight(w):
         return w.w if w.w.dtype == w.dtype else w.w.astype(w.dtype)  # prefill's float32 copy: exact
     if isinstance(w, WidenedWeight):
         return w.bf16
+    if isinstance(w, TransposedWeight):
+        return w.t.T
     return w
 
 
@@ -761,9 +787,13 @@ DENSE_WEIGHTS = frozenset({
 
 
 def pack_params(params, force: bool = False):
-    """params with every bfloat16 [K, N] projection (DENSE_WEIGHTS) in the layouts that make this
-    CPU's decode and prefill fastest, at more memory. Run once, when the params are placed (single
-    device).
+    """params with every [K, N] projection (DENSE_WEIGHTS) in the layouts that make this CPU's
+    decode and prefill fastest: bfloat16 ones at more memory, float32 ones (AVX2) in the same.
+    Run once, when the params are placed (single device).
+
+    float32, where the kernel's path is in TRANSPOSED_ISAS (AVX2): a `TransposedWeight`, held
+    [N, K], so that decode reads each output's weights as one contiguous row (a float32 decode
+    step 1.2x faster, prefill alike: benchmarks/README.md).
 
     Where the kernel's path (`isa()`) streams packed panels fast (PACKED_ISAS: vdpbf16ps on
     avx512bf16; widened pairs on avx2), a `PackedWeight`: decode streams the panels. Where bf16
@@ -773,29 +803,36 @@ def pack_params(params, force: bool = False):
     on AVX2); widened once here, prefill runs float32's matmuls on the same numbers
     (benchmarks/README.md). On avx512 without AVX512_BF16, whose [K, N] path decodes faster than
     panels read by AVX2 code, only that: a `WidenedWeight`. Elsewhere, or with the kernel off,
-    params are returned as they are. `force` packs panels anyway (tests of the fallback)."""
+    params are returned as they are. `force` packs bf16 panels anyway (tests of the fallback)."""
     wide = widen_bf16_prefill()
     if force or (enabled() and isa() in PACKED_ISAS):
-        def layout(w):
+        def bf16_layout(w):
             return PackedWeight(w.astype(jnp.float32) if wide else w, _pack_bf16_jit(w))
     elif enabled() and isa() == "avx512" and wide:
-        def layout(w):
+        def bf16_layout(w):
             return WidenedWeight(w.astype(jnp.float32), w)
     else:
+        bf16_layout = None
+    f32_layout = (lambda w: TransposedWeight(_transpose_jit(w))) if enabled() and isa() in TRANSPOSED_ISAS else None
+    layouts = {jnp.dtype(jnp.bfloat16): bf16_layout, jnp.dtype(jnp.float32): f32_layout}
+    if not any(layouts.values()):
         return params
 
     def pack(path, leaf):
         name = getattr(path[-1], "name", None) if path else None
-        if (name in DENSE_WEIGHTS and not is_weight_layout(leaf) and getattr(leaf, "ndim", 0) == 2
-                and leaf.dtype == jnp.bfloat16):
+        layout = layouts.get(jnp.dtype(leaf.dtype)) if hasattr(leaf, "dtype") else None
+        if name in DENSE_WEIGHTS and not is_weight_layout(leaf) and getattr(leaf, "ndim", 0) == 2 and layout:
             return layout(leaf)
         return leaf
 
     return jax.tree_util.tree_map_with_path(pack, params, is_leaf=is_weight_layout)
 
 
+_transpose_jit = jax.jit(lambda w: w.T)  # a new [N, K] array, rows contiguous
+
+
 def unpack_params(params):
-    """The inverse of `pack_params`: every `PackedWeight` or `WidenedWeight` back to its plain weight."""
+    """The inverse of `pack_params`: every weight layout back to its plain [K, N] weight."""
     return jax.tree_util.tree_map(plain_weight, params, is_leaf=is_weight_layout)
 
 
