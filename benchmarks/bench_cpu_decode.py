@@ -36,7 +36,7 @@ vocab 32000, untied head, 228 M params; built once into --model-dir if absent). 
              *-kernel-1t  the kernel on one thread per call (what sharing columns buys)
              f32-transposed  float32 in `--pack-for-decode`'s layout (cpu_kernels.pack_params):
                           the projections held transposed, [N, K], on the paths of
-                          TRANSPOSED_ISAS (AVX2); elsewhere the same as f32-kernel
+                          TRANSPOSED_ISAS (AVX2, AVX-512); elsewhere the same as f32-kernel
              f32-kernel-rows4, f32-kernel-rows8  float32, the avx2 path's weight rows per pass
                           forced to 4 or 8 (f32-kernel: each weight shape's first calls time both;
                           other paths: the same as f32-kernel)

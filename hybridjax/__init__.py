@@ -65,8 +65,9 @@ def load(path, dtype=None, mesh=None, progress=None, pack_for_decode=False, quan
     prefill widens bf16 (no AVX512_BF16): its copy is then kept in float32; single device,
     CPUs with AVX2 or AVX512_BF16 (`cpu_kernels.PACKED_ISAS`); on AVX-512 without AVX512_BF16
     only prefill's float32 copy is kept (three times the memory; decode reads the bf16 weights);
-    float32 projections on AVX2 (`cpu_kernels.TRANSPOSED_ISAS`) are held transposed instead, the
-    same memory, decode ~1.2x faster, ~1 s of transposing at load; else a no-op).
+    float32 projections on AVX2 or AVX-512 (`cpu_kernels.TRANSPOSED_ISAS`) are held transposed
+    instead, the same memory, decode ~1.2x faster, about a second of transposing at load; else a
+    no-op).
     `quantize="int8-wo"`: the projections become weight-only int8 with a scale per output column
     (`cpu_kernels.quantize_params`, from the weights in `dtype`); embeddings, norms and the MoE
     router stay in `dtype`. Decode streams a quarter of float32's weight bytes; single device,

@@ -571,9 +571,10 @@ def test_pack_params_packs_the_projections_only(loaded, hf_dirs):
     leaves = jax.tree_util.tree_leaves_with_path(packed, is_leaf=lambda x: isinstance(x, cpu_kernels.PackedWeight))
     names = {jax.tree_util.keystr(kp).split(".")[-1] for kp, x in leaves if isinstance(x, cpu_kernels.PackedWeight)}
     assert names and names <= cpu_kernels.DENSE_WEIGHTS and "embed" not in names
-    assert cpu_kernels.pack_params(params, force=True) is not params  # float32: walked, nothing packed
+    f32 = cpu_kernels.pack_params(params, force=True)  # float32: no panels; held transposed where that is faster
     assert not any(isinstance(x, cpu_kernels.PackedWeight) for x in jax.tree_util.tree_leaves(
-        cpu_kernels.pack_params(params, force=True), is_leaf=lambda x: isinstance(x, cpu_kernels.PackedWeight)))
+        f32, is_leaf=cpu_kernels.is_weight_layout))
+    assert (f32 is params) == (cpu_kernels.isa() not in cpu_kernels.TRANSPOSED_ISAS)
     if cpu_kernels.best_isa() in cpu_kernels.PACKED_ISAS:  # elsewhere pack_params leaves params as they are
         _, at_load = hybridjax.load_hf(hf_dirs["qwen3_5_dense"], dtype="bfloat16", pack_for_decode=True)
         assert isinstance(at_load.layers[0].ffn.up, cpu_kernels.PackedWeight)
@@ -700,15 +701,16 @@ def test_a_capped_path_makes_the_layout_choices_of_a_cpu_with_only_that_path(loa
     assert cpu_kernels.isa() == cpu_kernels.best_isa()
 
 
-def test_a_transposed_weight_is_read_in_place_by_the_kernel_and_by_xla(monkeypatch):
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_a_transposed_weight_is_read_in_place_by_the_kernel_and_by_xla(monkeypatch, isa):
     """`TransposedWeight` (pack_params' float32 layout on AVX2) holds w as [N, K]. Decode rows read
     each output's weights as one contiguous row (the kernel's transposed path: four columns at a
     time, a weight of >= 256 KB cut into four items of whole rows, K and N with tails here); wider
     rows run XLA's matmul on the [N, K] array itself (no transpose or copy of it in the compiled
     step). Each within the float32 bound of x @ w, a row's result the same at any kernel row count,
     and the weight it stands for given back exactly."""
-    need("avx2")
-    monkeypatch.setenv("HYBRIDJAX_CPU_ISA", "avx2")
+    need(isa)
+    monkeypatch.setenv("HYBRIDJAX_CPU_ISA", isa)
     rng = np.random.default_rng(21)
     k, n = 260, 1001  # 1 MB: four items of 256 rows, the last 233 (a column left over from groups of 4)
     w = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
@@ -725,6 +727,7 @@ def test_a_transposed_weight_is_read_in_place_by_the_kernel_and_by_xla(monkeypat
             np.testing.assert_array_equal(y[:1], ys[1], err_msg=f"{rows} rows")
     kernel_step = dense.lower(x[:1], tw).as_text()
     assert cpu_kernels.TARGET in kernel_step and "transposed = true" in kernel_step
+    assert f"isa = {cpu_kernels.ISAS.index(isa)} : i64" in kernel_step
     wide_step = dense.lower(x, tw).compile().as_text()
     assert cpu_kernels.TARGET not in wide_step and "transpose(" not in wide_step and "copy(" not in wide_step
     with pytest.raises(ValueError, match="tied head"):
@@ -732,8 +735,8 @@ def test_a_transposed_weight_is_read_in_place_by_the_kernel_and_by_xla(monkeypat
 
 
 def test_pack_params_holds_float32_projections_transposed_on_avx2(loaded, monkeypatch):
-    """On the avx2 path (`TRANSPOSED_ISAS`) `pack_params` holds every float32 projection as a
-    `TransposedWeight` (the same memory), the embedding as it is. Decode's logits then agree with
+    """On the paths of `TRANSPOSED_ISAS` (avx2 here, the path every x86 CPU in use has) `pack_params`
+    holds every float32 projection as a `TransposedWeight` (the same memory), the embedding as it is. Decode's logits then agree with
     the plain weights' within float32 rounding (each output's sum runs in another order), greedy
     generation gives the same tokens, and unpacking gives the weights back exactly. Capped to
     scalar nothing changes."""

@@ -92,7 +92,8 @@ PACK_HELP = ("keep the projections in the layouts this CPU's decode streams fast
              "or AVX512_BF16: also as packed panels (about 2x float32's decode instead of 1.6x), at twice the "
              "bf16 weight memory; without AVX512_BF16 prefill's copy is kept in float32 (3x the bf16 bytes) "
              "so that prefill runs at float32's speed (on AVX-512 without AVX512_BF16 only that copy). float32 "
-             "on AVX2: held transposed, the same memory (decode ~1.2x faster; the transpose costs ~1 s at load)")
+             "on AVX2 or AVX-512: held transposed, the same memory (decode ~1.2x faster; the transpose costs "
+             "about a second at load)")
 
 QUANTIZE_MODES = ("int8", "int8-wo", "int8-dot")  # cpu_kernels.QUANTIZE_MODES (no import of the kernels here)
 QUANTIZE_HELP = ("int8: int8 projections (decode on CPU reads about a quarter of float32's weight bytes; "

@@ -352,9 +352,11 @@ def matmul_indexed(x, w, index, *, transposed: bool = False, isa: str | None = N
 # panel). avx512 without bf16 keeps its [K, N] path (it would read panels with AVX2 code); there
 # `pack_params` keeps only prefill's float32 copy beside it (`WidenedWeight`).
 PACKED_ISAS = ("avx2", "avx512bf16")
-# Paths on which `pack_params` holds float32 projections transposed (`TransposedWeight`): AVX2,
-# where one row of x read a [N, K] weight 1.1-1.4x faster than [K, N] (benchmarks/README.md).
-TRANSPOSED_ISAS = ("avx2",)
+# Paths on which `pack_params` holds float32 projections transposed (`TransposedWeight`): one row
+# of x read a [N, K] weight 1.1-1.4x faster than [K, N], and a decode step ran 1.21-1.25x faster
+# (AVX2 capped and AVX-512 on a Zen 5, benchmarks/README.md; float32 takes the same avx512 code
+# with or without AVX512_BF16).
+TRANSPOSED_ISAS = ("avx2", "avx512", "avx512bf16")
 PANEL = 32  # output columns per panel of a packed weight (two zmm registers of float32 sums)
 
 
@@ -675,7 +677,7 @@ class TransposedWeight(_DecodeLayout):
     """A float32 weight [K, N] held transposed, `t` [N, K] (`pack_params`, where the kernel's path
     is in TRANSPOSED_ISAS): decode rows then read each output's weights as one contiguous row
     (the kernel's `transposed` path, dot products along K: 1.1-1.4x the [K, N] stream's bytes/s
-    for one row on AVX2, benchmarks/README.md), and prefill's XLA matmuls read `t` in place
+    for one row, benchmarks/README.md), and prefill's XLA matmuls read `t` in place
     (x @ t.T: as fast as x @ w, no copy). The same memory as w. Its shape is the weight's, [K, N]."""
 
     fields = ("t",)
@@ -791,9 +793,10 @@ def pack_params(params, force: bool = False):
     decode and prefill fastest: bfloat16 ones at more memory, float32 ones (AVX2) in the same.
     Run once, when the params are placed (single device).
 
-    float32, where the kernel's path is in TRANSPOSED_ISAS (AVX2): a `TransposedWeight`, held
-    [N, K], so that decode reads each output's weights as one contiguous row (a float32 decode
-    step 1.2x faster, prefill alike: benchmarks/README.md).
+    float32, where the kernel's path is in TRANSPOSED_ISAS (AVX2, AVX-512): a `TransposedWeight`,
+    held [N, K], so that decode reads each output's weights as one contiguous row (a float32
+    decode step 1.2x faster, prefill alike: benchmarks/README.md). Nothing to change: params
+    themselves.
 
     Where the kernel's path (`isa()`) streams packed panels fast (PACKED_ISAS: vdpbf16ps on
     avx512bf16; widened pairs on avx2), a `PackedWeight`: decode streams the panels. Where bf16
@@ -818,14 +821,18 @@ def pack_params(params, force: bool = False):
     if not any(layouts.values()):
         return params
 
+    changed = []
+
     def pack(path, leaf):
         name = getattr(path[-1], "name", None) if path else None
         layout = layouts.get(jnp.dtype(leaf.dtype)) if hasattr(leaf, "dtype") else None
         if name in DENSE_WEIGHTS and not is_weight_layout(leaf) and getattr(leaf, "ndim", 0) == 2 and layout:
+            changed.append(name)
             return layout(leaf)
         return leaf
 
-    return jax.tree_util.tree_map_with_path(pack, params, is_leaf=is_weight_layout)
+    packed = jax.tree_util.tree_map_with_path(pack, params, is_leaf=is_weight_layout)
+    return packed if changed else params
 
 
 _transpose_jit = jax.jit(lambda w: w.T)  # a new [N, K] array, rows contiguous

@@ -625,27 +625,45 @@ HJ_AVX512 void Avx512Tile(const Job& j, int64_t row0, int64_t n0, int64_t n1, in
   }
 }
 
+// Columns [c, c + C) of M rows of x against w [n, k] (as Avx2TColumns: C x M independent FMA
+// chains; each column's sum in the same order whatever C).
+template <int M, int C, typename T>
+HJ_AVX512 inline void Avx512TColumns(const T* __restrict w, const float* __restrict x, int64_t K, int64_t c,
+                                     float* __restrict out, int64_t width) {
+  const int64_t full = K / 16 * 16;
+  const __mmask16 tail = __mmask16((1u << (K - full)) - 1);
+  __m512 a[C][M];
+  for (int i = 0; i < C; ++i)
+    for (int r = 0; r < M; ++r) a[i][r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < full; k += 16) {
+    __m512 xv[M];
+    for (int r = 0; r < M; ++r) xv[r] = _mm512_loadu_ps(x + r * K + k);
+    for (int i = 0; i < C; ++i) {
+      const __m512 wv = Load16(w + (c + i) * K + k);
+      for (int r = 0; r < M; ++r) a[i][r] = _mm512_fmadd_ps(xv[r], wv, a[i][r]);
+    }
+  }
+  if (tail) {
+    __m512 xv[M];
+    for (int r = 0; r < M; ++r) xv[r] = _mm512_maskz_loadu_ps(tail, x + r * K + full);
+    for (int i = 0; i < C; ++i) {
+      const __m512 wv = Load16(w + (c + i) * K + full, tail);
+      for (int r = 0; r < M; ++r) a[i][r] = _mm512_fmadd_ps(xv[r], wv, a[i][r]);
+    }
+  }
+  for (int i = 0; i < C; ++i)
+    for (int r = 0; r < M; ++r) out[r * width + i] = _mm512_reduce_add_ps(a[i][r]);
+}
+
 template <int M, typename T>
 HJ_AVX512 void Avx512TTile(const Job& j, int64_t row0, int64_t n0, int64_t n1, int64_t, int64_t, float* acc) {
+  constexpr int C = M <= 2 ? 4 : 1;  // C x M sums, C weights and M rows of x in the 32 zmm registers
   const T* w = static_cast<const T*>(j.w);
-  const int64_t K = j.k, width = n1 - n0, full = K / 16 * 16;
-  const __mmask16 tail = __mmask16((1u << (K - full)) - 1);
-  const float* x = j.x + row0 * K;
-  for (int64_t c = n0; c < n1; ++c) {
-    const T* wr = w + c * K;
-    __m512 a[M];
-    for (int r = 0; r < M; ++r) a[r] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < full; k += 16) {
-      __m512 wv = Load16(wr + k);
-      for (int r = 0; r < M; ++r) a[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + k), wv, a[r]);
-    }
-    if (tail) {
-      __m512 wv = Load16(wr + full, tail);
-      for (int r = 0; r < M; ++r)
-        a[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, x + r * K + full), wv, a[r]);
-    }
-    for (int r = 0; r < M; ++r) acc[r * width + (c - n0)] = _mm512_reduce_add_ps(a[r]);
-  }
+  const int64_t width = n1 - n0, grouped = n0 + (n1 - n0) / C * C;
+  const float* x = j.x + row0 * j.k;
+  int64_t c = n0;
+  for (; c < grouped; c += C) Avx512TColumns<M, C, T>(w, x, j.k, c, acc + (c - n0), width);
+  for (; c < n1; ++c) Avx512TColumns<M, 1, T>(w, x, j.k, c, acc + (c - n0), width);
 }
 
 // --- avx512bf16: vdpbf16ps over (w[k], w[k+1]) pairs, 32 columns per step -------------
