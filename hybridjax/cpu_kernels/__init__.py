@@ -790,7 +790,7 @@ DENSE_WEIGHTS = frozenset({
 
 def pack_params(params, force: bool = False):
     """params with every [K, N] projection (DENSE_WEIGHTS) in the layouts that make this CPU's
-    decode and prefill fastest: bfloat16 ones at more memory, float32 ones (AVX2) in the same.
+    decode and prefill fastest: bfloat16 ones at more memory, float32 ones (AVX2, AVX-512) in the same.
     Run once, when the params are placed (single device).
 
     float32, where the kernel's path is in TRANSPOSED_ISAS (AVX2, AVX-512): a `TransposedWeight`,
@@ -821,18 +821,17 @@ def pack_params(params, force: bool = False):
     if not any(layouts.values()):
         return params
 
-    changed = []
-
     def pack(path, leaf):
         name = getattr(path[-1], "name", None) if path else None
         layout = layouts.get(jnp.dtype(leaf.dtype)) if hasattr(leaf, "dtype") else None
         if name in DENSE_WEIGHTS and not is_weight_layout(leaf) and getattr(leaf, "ndim", 0) == 2 and layout:
-            changed.append(name)
             return layout(leaf)
         return leaf
 
     packed = jax.tree_util.tree_map_with_path(pack, params, is_leaf=is_weight_layout)
-    return packed if changed else params
+    unchanged = all(a is b for a, b in zip(jax.tree_util.tree_leaves(packed, is_leaf=is_weight_layout),
+                                           jax.tree_util.tree_leaves(params, is_leaf=is_weight_layout)))
+    return params if unchanged else packed
 
 
 _transpose_jit = jax.jit(lambda w: w.T)  # a new [N, K] array, rows contiguous
