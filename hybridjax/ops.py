@@ -43,6 +43,10 @@ def dense(x: Array, w: Array, dtype=None, transposed: bool = False) -> Array:
     choice follows the platform the computation is lowered for, so a CPU host can still lower
     for a GPU.
     """
+    if isinstance(w, cpu_kernels.TransposedWeight):  # held [n_out, n_in]: every reader takes it so
+        if transposed:
+            raise ValueError("dense: a TransposedWeight is a [n_in, n_out] projection; a tied head is not one")
+        return dense(x, w.t, dtype, transposed=True)
     lead, n_in = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, n_in)
     xla = functools.partial(_xla_dot, transposed=transposed)
@@ -50,10 +54,6 @@ def dense(x: Array, w: Array, dtype=None, transposed: bool = False) -> Array:
     widened = isinstance(w, cpu_kernels.WidenedWeight)  # bf16 kept twice: float32 for prefill, and itself
     # What XLA's matmuls read: a packed weight's `w` as held (float32 where prefill widens).
     xla_w = w.w if packed or widened else w
-    if isinstance(w, cpu_kernels.TransposedWeight):  # held [n_out, n_in]: every reader takes it so
-        if transposed:
-            raise ValueError("dense: a TransposedWeight is a [n_in, n_out] projection; a tied head is not one")
-        return dense(x, w.t, dtype, transposed=True)
     if isinstance(w, cpu_kernels.Int8Weight):
         y = _int8_dense(rows, w, transposed)
     elif (cpu_kernels.supports(rows.shape[0], x.dtype, w.dtype) and sharding.current_mesh() is None

@@ -1259,14 +1259,10 @@ ffi::Error MatmulCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
     tc = tile_cols;
   } else if (avx2_rows && rows_per_group <= 2) {
     tc = N;
-  } else if (big && packed) {
-    // Packed: a tile of panels over the whole of K is one contiguous block, so cut only columns
-    // (slices of K made each panel a run of a few KB: 0.8x the bytes/s of whole panels).
-    const int64_t want_tiles = (N + 8191) / 8192 > 4 ? (N + 8191) / 8192 : 4;
-    tc = (N + want_tiles - 1) / want_tiles;
-  } else if (big && transposed) {
-    // Transposed: a tile is a block of whole weight rows (one contiguous block), so even a narrow
-    // weight is cut into four (N = 1024 was one item, one thread: 0.7x the [K, N] read).
+  } else if (big && (packed || transposed)) {
+    // Packed or transposed: a tile over the whole of K is one contiguous block, so cut only
+    // columns, into four at least (slices of K made each panel a run of a few KB: 0.8x the bytes/s
+    // of whole panels; a transposed N = 1024 as one item ran on one thread, 0.7x the [K, N] read).
     const int64_t want_tiles = (N + 8191) / 8192 > 4 ? (N + 8191) / 8192 : 4;
     tc = (N + want_tiles - 1) / want_tiles;
   } else if (big) {
