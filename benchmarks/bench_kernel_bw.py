@@ -16,7 +16,7 @@ scales), `f32-t` (the float32 weight stored transposed, [N, K], each output a do
 contiguous weight row: llama.cpp's layout, the kernel's `transposed` path), `read` (no matmul: a plain sequential read of the float32
 copies, on as many threads as the kernel may use: the bandwidth the kernel should reach). With `--old-so` an
 older build of the kernel (loaded beside the current one under another FFI target name) adds
-`old-bf16`, `old-f32` and `old-int8`, so a change is measured against its predecessor in the same run.
+`old-bf16`, `old-f32`, `old-int8` and `old-f32-t`, so a change is measured against its predecessor in the same run.
 
 Each timed call is one jitted chain over several copies of the weight (at least ~200 MB of
 float32 in all, more than the L3 holds), each call's input depending on the previous output,
@@ -72,14 +72,16 @@ def main(argv=None) -> int:
         old = ctypes.CDLL(a.old_so)
         jax.ffi.register_ffi_target("hybridjax_cpu_matmul_old", jax.ffi.pycapsule(old.HjMatmul), platform="cpu")
 
-        def old_call(x, w):  # the attributes every build so far takes
+        def old_call(x, w, transposed=False):  # the attributes every build so far takes; the same path (isa)
             args = (x, w) if not isinstance(w, tuple) else (x, w[0], w[1][None])  # int8: (q, scale [1, N])
-            out = jax.ShapeDtypeStruct(x.shape[:-1] + (args[1].shape[-1],), jnp.float32)
+            n = args[1].shape[0 if transposed else -1]
+            out = jax.ShapeDtypeStruct(x.shape[:-1] + (n,), jnp.float32)
             call = jax.ffi.ffi_call("hybridjax_cpu_matmul_old", out, vmap_method="expand_dims")
-            return call(*args, isa=np.int64(-1), max_threads=np.int64(a.threads), tile_cols=np.int64(0),
-                        k_slices=np.int64(0), transposed=False)
+            return call(*args, isa=np.int64(cpu_kernels._isa_code(None)), max_threads=np.int64(a.threads), tile_cols=np.int64(0),
+                        k_slices=np.int64(0), transposed=transposed)
 
         calls["old"] = old_call
+        calls["old-t"] = functools.partial(old_call, transposed=True)
 
     # mode -> (call, weight dtype, x dtype)
     modes = {"f32": ("new", jnp.float32, jnp.float32), "bf16": ("new", jnp.bfloat16, jnp.bfloat16),
@@ -89,7 +91,7 @@ def main(argv=None) -> int:
              "read": ("read", jnp.float32, None)}
     if a.old_so:
         modes.update({"old-f32": ("old", jnp.float32, jnp.float32), "old-bf16": ("old", jnp.bfloat16, jnp.bfloat16),
-                      "old-int8": ("old", "int8", jnp.float32)})
+                      "old-int8": ("old", "int8", jnp.float32), "old-f32-t": ("old-t", "f32-t", jnp.float32)})
     if a.modes:
         modes = {m: modes[m] for m in a.modes.split(",")}
 
@@ -125,7 +127,8 @@ def main(argv=None) -> int:
         ws = {jnp.float32: [jnp.asarray(b) for b in base]}
         ws[jnp.bfloat16] = [w.astype(jnp.bfloat16) for w in ws[jnp.float32]]
         ws["packed"] = [(cpu_kernels.pack_bf16(w), n) for w in ws[jnp.bfloat16]]
-        ws["f32-t"] = [jnp.asarray(np.ascontiguousarray(b.T)) for b in base] if "f32-t" in modes else []
+        ws["f32-t"] = ([jnp.asarray(np.ascontiguousarray(b.T)) for b in base]
+                       if any(wd == "f32-t" for _, wd, _ in modes.values()) else [])
         del base
         ws["int8"] = [cpu_kernels.quantize_int8(w) for w in ws[jnp.float32]] if "int8" in modes else []
         block = a.x_block or cpu_kernels.X_BLOCK

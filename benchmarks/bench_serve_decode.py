@@ -2,7 +2,7 @@
 
     python benchmarks/bench_serve_decode.py [--model-dir DIR] [--dtype float32] [--prompt 32]
         [--new-tokens 128] [--streams 1,4] [--rounds 3] [--max-len 4096] [--profile] [--json OUT]
-        [--llama-server PATH --gguf MODEL.gguf [--threads 2]]
+        [--pack-for-decode] [--llama-server PATH --gguf MODEL.gguf [--threads 2]]
 
 One process, one model (the random Qwen3.5 of bench_generate.py, 228 M params, built into
 --model-dir if absent; a word-level tokenizer of its 32000 ids is written beside it, since the
@@ -173,7 +173,7 @@ class LlamaServer:
 class ServeProcess:
     """`hybridjax serve` in a subprocess (`process` above); `port` and the served model's `name`."""
 
-    def __init__(self, model_dir: Path, dtype: str, max_len: int, compile_cache: Path, log: Path):
+    def __init__(self, model_dir: Path, dtype: str, max_len: int, compile_cache: Path, log: Path, pack: bool):
         import subprocess
 
         import httpx
@@ -181,6 +181,7 @@ class ServeProcess:
         self.port = free_port()
         cmd = [sys.executable, "-m", "hybridjax.cli", "serve", "--model", str(model_dir), "--dtype", dtype,
                "--max-len", str(max_len), "--port", str(self.port), "--compile-cache-dir", str(compile_cache)]
+        cmd += ["--pack-for-decode"] if pack else []
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log.open("w"), env=env)
         url, deadline = f"http://127.0.0.1:{self.port}", time.time() + 900
@@ -265,6 +266,8 @@ def main(argv=None) -> int:
     ap.add_argument("--llama-server", help="llama.cpp's llama-server binary: its S streams beside ours, each round")
     ap.add_argument("--gguf", help="GGUF of the same weights and dtype, for --llama-server")
     ap.add_argument("--threads", type=int, default=2, help="llama-server threads")
+    ap.add_argument("--pack-for-decode", action="store_true",
+                    help="every section on the params in the CPU's decode layouts (`hybridjax.load(pack_for_decode=True)`)")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
 
@@ -287,7 +290,7 @@ def main(argv=None) -> int:
     from hybridjax.tokenizer import Tokenizer
 
     print(f"load before: {loadavg()}; {os.cpu_count()} CPUs; machine may be shared", flush=True)
-    cfg, params = hybridjax.load_hf(model_dir, dtype=a.dtype)
+    cfg, params = hybridjax.load_hf(model_dir, dtype=a.dtype, pack_for_decode=a.pack_for_decode)
     tok = Tokenizer.from_dir(model_dir)
     name = "bench"
     sections = a.sections.split(",")
@@ -306,7 +309,7 @@ def main(argv=None) -> int:
     process = None
     if "process" in sections:
         t1 = time.perf_counter()
-        process = ServeProcess(model_dir, a.dtype, a.max_len, compile_cache, compile_cache / "serve.log")
+        process = ServeProcess(model_dir, a.dtype, a.max_len, compile_cache, compile_cache / "serve.log", a.pack_for_decode)
         print(f"hybridjax serve (own process) has every program after {time.perf_counter() - t1:.0f} s", flush=True)
     streams = [int(s) for s in a.streams.split(",")]
     n = a.new_tokens
@@ -394,7 +397,8 @@ def main(argv=None) -> int:
         print(f"round {r}: " + ", ".join(f"{k} {v[-1][0]:.1f}" for k, v in results.items())
               + f"; load {loadavg()}; compiling behind: {engine.compiling}", flush=True)
 
-    print(f"\n{cfg.num_hidden_layers} layers, {a.dtype}, {n} tokens after {a.prompt}, greedy, medians of {a.rounds} "
+    layout = ", decode layouts (--pack-for-decode)" if a.pack_for_decode else ""
+    print(f"\n{cfg.num_hidden_layers} layers, {a.dtype}{layout}, {n} tokens after {a.prompt}, greedy, medians of {a.rounds} "
           f"rounds; load after: {loadavg()}")
     print("cpu tok/s: tokens per second of this process's CPU time (all threads; the server's includes its client)")
     print(f"{'path':<12} {'tok/s':>7} {'x generate':>10} {'cpu tok/s':>10} {'x generate':>10} {'same tokens':>12}")

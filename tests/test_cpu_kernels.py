@@ -105,11 +105,12 @@ def test_matches_jnp_dot_on_awkward_shapes(isa, wdtype):
 @pytest.mark.parametrize("isa", cpu_kernels.ISAS)
 @pytest.mark.parametrize("wdtype", ["float32", "bfloat16", "int8"])
 def test_transposed_weight(isa, wdtype):
-    """w [N, K] read in place (the tied head): equals x @ w.T."""
+    """w [N, K] read in place (the tied head): equals x @ w.T. Three rows or more take another
+    loop (x interleaved): K shorter than one vector, a tail in K, one and many columns."""
     need(isa)
     rng = np.random.default_rng(1)
     f = jax.jit(functools.partial(cpu_kernels.matmul, transposed=True, isa=isa, tile_cols=64))
-    for r, k, n in [(1, 7, 5), (3, 33, 130), (8, 1023, 70), (2, 64, 1)]:
+    for r, k, n in [(1, 7, 5), (3, 33, 130), (8, 1023, 70), (2, 64, 1), (4, 5, 9), (6, 48, 1)]:
         w, scale, w_kn = make_w(rng, k, n, wdtype, transposed=True)
         for xdtype in ("float32", "bfloat16"):
             x = jnp.asarray(rng.standard_normal((r, k)), xdtype)
