@@ -31,7 +31,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from hybridjax import compile_cache, pytree, sharding
+from hybridjax import compile_cache, ops, pytree, sharding
 from hybridjax.cache import Cache, GDNState, PagedKV
 from hybridjax.config import FULL, Config
 from hybridjax.generate import Sampler, next_token
@@ -96,12 +96,13 @@ def init_state(cfg: Config, slots: int, num_pages: int, page_size: int, dtype=jn
                mtp: bool = False) -> EngineState:
     """Zeros everywhere (every leaf its own buffer: donation needs that); placed on `mesh` when
     given (`state_shardings`). mtp: with the MTP layer's KV pool and the rows' hidden states
-    (a speculative engine)."""
+    (a speculative engine). Page pools of bfloat16 KV hold its bits on CPU (`ops.pool_dtype`)."""
     heads = cfg.kv_heads_laid_out(sharding.axis_size(mesh, "tensor"))
-    state = _zeros_state(cfg, slots, num_pages, page_size, dtype, heads)
+    state = _zeros_state(cfg, slots, num_pages, page_size, dtype, heads, ops.pool_dtype(dtype))
     if mtp:
         shape = (num_pages, page_size, heads, cfg.head_dim)
-        state = state.replace(mtp=PagedKV(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)),
+        pool = ops.pool_dtype(dtype)
+        state = state.replace(mtp=PagedKV(k=jnp.zeros(shape, pool), v=jnp.zeros(shape, pool)),
                               hidden=jnp.zeros((slots, cfg.hidden_size), dtype))
     if not sharding.is_multi_device(mesh):
         return state
@@ -110,14 +111,14 @@ def init_state(cfg: Config, slots: int, num_pages: int, page_size: int, dtype=jn
 
 # One program makes the whole state: each of its ~50 leaves made by its own jnp.zeros was one
 # dispatch and one compilation-cache lookup, 0.7 s of a warm start (0.23B model, load 2).
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6))
 def _zeros_state(cfg: Config, slots: int, num_pages: int, page_size: int, dtype=jnp.float32,
-                 kv_heads: int | None = None) -> EngineState:
+                 kv_heads: int | None = None, pool_dtype=None) -> EngineState:
     layers = []
     for t in cfg.layer_types:
         if t == FULL:
             shape = (num_pages, page_size, kv_heads or cfg.num_key_value_heads, cfg.head_dim)
-            layers.append(PagedKV(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)))
+            layers.append(PagedKV(k=jnp.zeros(shape, pool_dtype or dtype), v=jnp.zeros(shape, pool_dtype or dtype)))
         else:
             hv, k, v = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
             layers.append(GDNState(conv=jnp.zeros((slots, cfg.linear_conv_kernel_dim - 1, cfg.gdn_conv_dim), jnp.float32),
@@ -554,12 +555,12 @@ def _copy_page(state, src, dst):
 def _read_pages(state, ids):
     """(k, v) of pages `ids` [n] in every pool (`_pools`): tuples of [n, S, Hkv, Dh] (persistence)."""
     kv = _pools(state)
-    return tuple(s.k[ids] for s in kv), tuple(s.v[ids] for s in kv)
+    return tuple(ops.pool_values(s.k[ids]) for s in kv), tuple(ops.pool_values(s.v[ids]) for s in kv)
 
 
 def _write_pages(state, ids, ks, vs):
     """Pages `ids` [n] := ks, vs (tuples over the pools, `_pools`, of [n, S, Hkv, Dh])."""
-    return _with_pools(state, [s.replace(k=s.k.at[ids].set(k.astype(s.k.dtype)), v=s.v.at[ids].set(v.astype(s.v.dtype)))
+    return _with_pools(state, [s.replace(k=s.k.at[ids].set(ops.to_pool(k, s.k)), v=s.v.at[ids].set(ops.to_pool(v, s.v)))
                                for s, k, v in zip(_pools(state), ks, vs)])
 
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybridjax import cache as cache_lib
-from hybridjax import compile_cache, pytree
+from hybridjax import compile_cache, ops, pytree
 from hybridjax.cache import Cache, GDNState, KVState, PagedKV, reserve
 from hybridjax.config import Config
 from hybridjax.model import forward, forward_hidden, lm_logits
@@ -187,8 +187,8 @@ def score_cache(cfg: Config, capacity: int, dtype, zeros=jnp.zeros) -> Cache:
     def paged(state):
         if not isinstance(state, KVState):
             return state
-        shape = (pages, SCORE_PAGE) + state.k.shape[2:]
-        return PagedKV(k=zeros(shape, state.k.dtype), v=zeros(shape, state.v.dtype), table=table)
+        shape, pool = (pages, SCORE_PAGE) + state.k.shape[2:], ops.pool_dtype(state.k.dtype)  # (bits: `ops.pool_dtype`)
+        return PagedKV(k=zeros(shape, pool), v=zeros(shape, pool), table=table)
 
     return cache.replace(layers=tuple(map(paged, cache.layers)))
 

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from hybridjax import cpu_kernels, sharding
 from hybridjax.pallas_kernels.gated_delta_rule import chunk_gated_delta_rule
 from hybridjax.pallas_kernels.paged_attention import paged_attention as _paged_attention
+from hybridjax.pallas_kernels.paged_attention import pool_dtype, pool_values, to_pool  # noqa: F401 (re-exported)
 from hybridjax.pallas_kernels.gated_delta_rule.common import l2norm
 
 Array = jax.Array
@@ -223,13 +224,13 @@ def write_kv_paged(pages: Array, new: Array, table: Array, starts: Array, valid:
     """Write new [B, T, Hkv, Dh] into pages [P, S, Hkv, Dh] at each row's positions starts[b] + t,
     through table [B, Np]. Pads and positions past a row's pages are dropped (page id P), so a
     padding row never touches another row's pages, and full pages (before `starts`) are never
-    written: the pool's write-once rule."""
+    written: the pool's write-once rule. A pool of bits takes new's bits (`to_pool`)."""
     n_pages, size = pages.shape[:2]
     pos = starts[:, None] + jnp.arange(new.shape[1], dtype=starts.dtype)  # [B, T]
     slot = pos // size
     page = jnp.take_along_axis(table, jnp.minimum(slot, table.shape[1] - 1), axis=1)
     page = jnp.where(valid & (slot < table.shape[1]), page, n_pages)  # out of range: dropped
-    return pages.at[page, pos % size].set(new.astype(pages.dtype), mode="drop")
+    return pages.at[page, pos % size].set(to_pool(new, pages), mode="drop")
 
 
 def paged_attention(q, k_pages, v_pages, page_table, q_pos, *, scale=None, implementation=None):

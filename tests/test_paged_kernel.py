@@ -271,6 +271,54 @@ def test_engine_decode_step_copies_no_pool_with_a_short_table(pages_per_row):
     assert not copies, copies
 
 
+def test_a_bfloat16_pool_held_as_bits_gives_the_same_numbers():
+    """On CPU a bfloat16 page pool is made as uint16 bits (`pool_dtype`): XLA:CPU converts a whole
+    bfloat16 array to float32 to write into it or gather from it. Written and read as bits, the
+    pool and the attention over it equal those of a bfloat16 pool, bit for bit."""
+    from hybridjax import ops
+
+    assert ops.pool_dtype(jnp.bfloat16) == jnp.uint16 and ops.pool_dtype(jnp.float32) == jnp.float32
+    rng = np.random.default_rng(7)
+    pool = jnp.asarray(rng.standard_normal((6, 16, 2, 32)), jnp.bfloat16)
+    table, starts = jnp.array([[4, 1, 6], [2, 3, 6]], jnp.int32), jnp.array([20, 5], jnp.int32)  # 6: no page
+    new = jnp.asarray(rng.standard_normal((2, 3, 2, 32)), jnp.float32)  # written at 20..22 and 5..7
+    valid = jnp.array([[True, True, True], [True, True, False]])
+    q = jnp.asarray(rng.standard_normal((2, 3, 4, 32)), jnp.float32)
+    positions = starts[:, None] + jnp.arange(3)
+
+    @jax.jit
+    def step(pool):
+        written = ops.write_kv_paged(pool, new, table, starts, valid)
+        return written, paged_attention_xla(q, written, written, table, positions, scale=0.2)
+
+    plain, out = step(pool)
+    bits, out_bits = step(jax.lax.bitcast_convert_type(pool, jnp.uint16))
+    assert plain.dtype == jnp.bfloat16 and bits.dtype == jnp.uint16
+    np.testing.assert_array_equal(np.asarray(ops.pool_values(bits)), np.asarray(plain))
+    np.testing.assert_array_equal(np.asarray(out_bits), np.asarray(out))
+    assert not np.array_equal(np.asarray(plain), np.asarray(pool))  # the write happened
+
+
+def test_engine_decode_step_keeps_a_bfloat16_pool_as_bits():
+    """A bfloat16 engine's decode step writes its token into each pool in place and gathers the
+    pages it reads: no array of a pool's shape in float32 or bfloat16 anywhere in the compiled step
+    (it had two per pool, converted whole every step: 0.2x of `generate` at max_len 4096)."""
+    from hybridjax import engine_steps as steps
+    from hybridjax.default_model import tiny_test_model
+
+    cfg, params, _ = tiny_test_model()
+    params = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x, params)
+    state = jax.eval_shape(lambda: steps.init_state(cfg, 2, 32, 16, jnp.bfloat16))
+    kv = state.layers[cfg.layer_types.index("full_attention")]
+    assert kv.k.dtype == kv.v.dtype == jnp.uint16
+    hlo = steps.decode.trace(params, state, sds((1,), jnp.int32), sds((1, 4), jnp.int32), cfg,
+                             "xla").lower().compile().as_text()
+    pool = re.escape(str(kv.k.shape).replace(" ", "")[1:-1])
+    assert re.search(rf"u16\[{pool}\]", hlo)
+    converted = re.findall(rf"(?:f32|bf16)\[{pool}\]", hlo)
+    assert not converted, converted
+
+
 @pytest.mark.parametrize("rows", [1, 2, 4])
 def test_engine_decode_step_copies_no_state_leaf(rows):
     """The decode step updates the rows' GDN states (and every other per-row leaf) in place. A

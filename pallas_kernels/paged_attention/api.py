@@ -30,6 +30,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from .pool import pool_values
 from .pallas import MAX_DECODE_QUERIES, paged_attention_pallas, unsupported_reason
 from .reference import paged_attention_reference
 from .xla import paged_attention_xla
@@ -46,7 +47,10 @@ def _auto(q, k_pages, v_pages, page_table, q_pos, *, scale):
     xla = functools.partial(paged_attention_xla, scale=scale)
     if q.shape[1] > MAX_DECODE_QUERIES or unsupported_reason(q.shape, k_pages.shape):
         return xla(q, k_pages, v_pages, page_table, q_pos)
-    pallas = functools.partial(paged_attention_pallas, scale=scale, interpret=False)
+    def pallas(q, k_pages, v_pages, page_table, q_pos):
+        return paged_attention_pallas(q, pool_values(k_pages), pool_values(v_pages), page_table, q_pos, scale=scale,
+                                      interpret=False)
+
     branches = {p: pallas for p in _PALLAS_GPU_PLATFORMS}
     return jax.lax.platform_dependent(q, k_pages, v_pages, page_table, q_pos, **branches, default=xla)
 
@@ -93,4 +97,6 @@ def paged_attention(q, k_pages, v_pages, page_table, q_pos, *, scale=None, imple
     if implementation == "pallas":
         _check_pallas_can_run(q, k_pages)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if implementation in ("reference", "pallas"):  # pools of bits (`pool`) as values; the xla path gathers bits
+        k_pages, v_pages = pool_values(k_pages), pool_values(v_pages)
     return _FUNCTIONS[implementation](q, k_pages, v_pages, page_table, q_pos, scale=scale)

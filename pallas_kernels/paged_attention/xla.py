@@ -12,11 +12,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .pool import pool_values
+
 BLOCK_TOKENS = 256  # keys per loop iteration: few iterations for typical lengths, small gathers
 
 
 def paged_attention_xla(q, k_pages, v_pages, page_table, q_pos, *, scale, block_pages=None):
-    """Same contract as `reference.paged_attention_reference`."""
+    """Same contract as `reference.paged_attention_reference`; pools may hold bits (`pool`)."""
     b, t, hq, dh = q.shape
     _, s, hkv, _ = k_pages.shape
     g, n = hq // hkv, page_table.shape[1]
@@ -35,8 +37,8 @@ def paged_attention_xla(q, k_pages, v_pages, page_table, q_pos, *, scale, block_
     def block(i, carry):
         m, denom, acc = carry  # [B, Hkv, gT], [B, Hkv, gT], [B, Hkv, gT, Dh]
         ids = jax.lax.dynamic_slice_in_dim(table, i * bp, bp, axis=1)  # [B, bp]
-        kb = k_pages[ids].reshape(b, span, hkv, dh).transpose(0, 2, 1, 3)  # [B, Hkv, span, Dh]
-        vb = v_pages[ids].reshape(b, span, hkv, dh).transpose(0, 2, 1, 3)
+        kb = pool_values(k_pages[ids]).reshape(b, span, hkv, dh).transpose(0, 2, 1, 3)  # [B, Hkv, span, Dh]
+        vb = pool_values(v_pages[ids]).reshape(b, span, hkv, dh).transpose(0, 2, 1, 3)
         scores = jnp.einsum("bhqd,bhkd->bhqk", qh, kb.astype(q.dtype), preferred_element_type=jnp.float32) * scale
         key_pos = i * span + jnp.arange(span)
         scores = jnp.where(key_pos[None, None, None, :] <= qh_pos, scores, -jnp.inf)  # [B, Hkv, gT, span]
@@ -45,7 +47,7 @@ def paged_attention_xla(q, k_pages, v_pages, page_table, q_pos, *, scale, block_
         p = jnp.exp(scores - base[..., None])
         rescale = jnp.exp(m - base)  # 0 while m is -inf
         denom = denom * rescale + jnp.sum(p, axis=-1)
-        pv = jnp.einsum("bhqk,bhkd->bhqd", p.astype(v_pages.dtype), vb, preferred_element_type=jnp.float32)
+        pv = jnp.einsum("bhqk,bhkd->bhqd", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
         return m_new, denom, acc * rescale[..., None] + pv
 
     init = (jnp.full((b, hkv, g * t), -jnp.inf, jnp.float32), jnp.zeros((b, hkv, g * t), jnp.float32),
