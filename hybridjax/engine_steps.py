@@ -98,10 +98,9 @@ def init_state(cfg: Config, slots: int, num_pages: int, page_size: int, dtype=jn
     given (`state_shardings`). mtp: with the MTP layer's KV pool and the rows' hidden states
     (a speculative engine). Page pools of bfloat16 KV hold its bits on CPU (`ops.pool_dtype`)."""
     heads = cfg.kv_heads_laid_out(sharding.axis_size(mesh, "tensor"))
-    state = _zeros_state(cfg, slots, num_pages, page_size, dtype, heads, ops.pool_dtype(dtype))
+    state = _zeros_state(cfg, slots, num_pages, page_size, dtype, heads)
     if mtp:
-        shape = (num_pages, page_size, heads, cfg.head_dim)
-        pool = ops.pool_dtype(dtype)
+        shape, pool = (num_pages, page_size, heads, cfg.head_dim), ops.pool_dtype(dtype)
         state = state.replace(mtp=PagedKV(k=jnp.zeros(shape, pool), v=jnp.zeros(shape, pool)),
                               hidden=jnp.zeros((slots, cfg.hidden_size), dtype))
     if not sharding.is_multi_device(mesh):
@@ -111,14 +110,14 @@ def init_state(cfg: Config, slots: int, num_pages: int, page_size: int, dtype=jn
 
 # One program makes the whole state: each of its ~50 leaves made by its own jnp.zeros was one
 # dispatch and one compilation-cache lookup, 0.7 s of a warm start (0.23B model, load 2).
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5))
 def _zeros_state(cfg: Config, slots: int, num_pages: int, page_size: int, dtype=jnp.float32,
-                 kv_heads: int | None = None, pool_dtype=None) -> EngineState:
-    layers = []
+                 kv_heads: int | None = None) -> EngineState:
+    layers, pool = [], ops.pool_dtype(dtype)
     for t in cfg.layer_types:
         if t == FULL:
             shape = (num_pages, page_size, kv_heads or cfg.num_key_value_heads, cfg.head_dim)
-            layers.append(PagedKV(k=jnp.zeros(shape, pool_dtype or dtype), v=jnp.zeros(shape, pool_dtype or dtype)))
+            layers.append(PagedKV(k=jnp.zeros(shape, pool), v=jnp.zeros(shape, pool)))
         else:
             hv, k, v = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
             layers.append(GDNState(conv=jnp.zeros((slots, cfg.linear_conv_kernel_dim - 1, cfg.gdn_conv_dim), jnp.float32),
